@@ -1,0 +1,139 @@
+"""The Llama-family decoder written as slabserve's static-shape step (DESIGN.md, "The step").
+
+One call runs one engine step over a flat batch of T tokens that may come from several sequences: decode tokens of
+running sequences and prefill chunks of new ones, padded to the bucket size T. Each sequence owns a contiguous KV
+slab (the same row range in every layer of the KV arena); the step writes the new K/V rows into the slabs and
+returns the logits of the rows named by `logits_indices`. Shapes never depend on the data, so the step can be
+traced once per bucket and replayed.
+
+Covers Llama 2/3 (with Llama 3 rope scaling), SmolLM2/TinyLlama (tied embeddings), Mistral, Qwen2 (q/k/v bias),
+GQA and MHA. The heavy ops go through `torch.ops.slabserve.*` (kernels/ops.py): PyTorch references on CPU,
+Triton on CUDA. The model never allocates KV memory: the caches are arguments, owned by the runtime's arenas.
+
+Weight layout: projections are stored pre-transposed and contiguous, (in, out), with q/k/v fused into one matrix
+and gate/up into another, because `x @ Wt` with a contiguous Wt is about twice as fast as `F.linear(x, W)` for the
+skinny decode matmuls on CPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from torch import nn
+
+import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
+from runtime.config import ModelConfig
+from runtime.rope import rope_table
+
+ops = torch.ops.slabserve
+
+
+class TensorSource(Protocol):
+    """Anything that hands out HF-named tensors one at a time (runtime.loader.WeightSource)."""
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+
+def pack_weights(config: ModelConfig, source: TensorSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named weights -> the step's compute layout (fused, pre-transposed, contiguous, `dtype`).
+
+    Reads the source tensor by tensor so that peak memory stays near one copy of the model.
+    """
+    def take(name: str) -> torch.Tensor:
+        return source.get(name, dtype)
+
+    packed: dict[str, torch.Tensor] = {"embed": take("model.embed_tokens.weight").contiguous()}
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)  # (q+2kv, hidden)
+        packed[f"{n}.wqkv"] = qkv.t().contiguous()  # (hidden, q+2kv)
+        if config.qkv_bias:
+            packed[f"{n}.bqkv"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]).contiguous()
+        packed[f"{n}.wo"] = take(p + "self_attn.o_proj.weight").t().contiguous()  # (q, hidden)
+        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+        packed[f"{n}.wgate_up"] = gate_up.t().contiguous()  # (hidden, 2I)
+        packed[f"{n}.wdown"] = take(p + "mlp.down_proj.weight").t().contiguous()  # (I, hidden)
+        packed[f"{n}.attn_norm"] = take(p + "input_layernorm.weight").contiguous()
+        packed[f"{n}.ffn_norm"] = take(p + "post_attention_layernorm.weight").contiguous()
+    packed["norm"] = take("model.norm.weight").contiguous()
+    if config.tie_word_embeddings:
+        packed["lm_head"] = packed["embed"].t().contiguous()  # (hidden, V)
+    else:
+        packed["lm_head"] = take("lm_head.weight").t().contiguous()  # (hidden, V)
+    return packed
+
+
+class LlamaStep(nn.Module):
+    """The step function of one model. Parameters are buffers (never trained); KV caches are arguments."""
+
+    def __init__(self, config: ModelConfig, packed: Mapping[str, torch.Tensor], rope_positions: int | None = None,
+                 freq_factors: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        self.scale = config.head_dim ** -0.5
+        for name, tensor in packed.items():
+            self.register_buffer(_buffer_name(name), tensor, persistent=True)
+        positions = rope_positions or config.context_limit
+        self.register_buffer("rope_cos_sin", rope_table(config, positions, freq_factors))  # (P, D) float32
+
+    def weight(self, name: str) -> torch.Tensor:
+        return getattr(self, _buffer_name(name))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,       # (T,) int64, padding rows 0
+        positions: torch.Tensor,       # (T,) int64, position of each token in its sequence
+        slot_mapping: torch.Tensor,    # (T,) int64, KV row each token writes; -1 for padding rows
+        query_start: torch.Tensor,     # (S+1,) int32, flat row where each sequence's tokens start
+        slab_offset: torch.Tensor,     # (S,) int64, first KV row of each sequence's slab
+        context_len: torch.Tensor,     # (S,) int32, tokens in the slab after this step; 0 for padding sequences
+        logits_indices: torch.Tensor,  # (R,) int64, flat rows whose logits are returned
+        k_cache: torch.Tensor,         # (L, N, Hkv, D)
+        v_cache: torch.Tensor,         # (L, N, Hkv, D)
+    ) -> torch.Tensor:                 # (R, V)
+        c = self.config
+        x = self.weight("embed")[input_ids]  # (T, hidden)
+        for n in range(c.num_layers):
+            x = self._attention_block(n, x, positions, slot_mapping, query_start, slab_offset, context_len,
+                                      k_cache[n], v_cache[n])
+            x = self._mlp_block(n, x)
+        x = self._norm(x, self.weight("norm"))
+        return x[logits_indices] @ self.weight("lm_head")  # (R, V)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        ops.rms_norm(x, weight, self.config.rms_norm_eps, out)
+        return out
+
+    def _attention_block(self, n, x, positions, slot_mapping, query_start, slab_offset, context_len, k_cache,
+                         v_cache):
+        c = self.config
+        t = x.shape[0]
+        qkv = self._norm(x, self.weight(f"{n}.attn_norm")) @ self.weight(f"{n}.wqkv")  # (T, q+2kv)
+        if c.qkv_bias:
+            qkv = qkv + self.weight(f"{n}.bqkv")
+        q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)  # (T, H, D)
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)  # (T, Hkv, D)
+        v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # (T, Hkv, D)
+        ops.rope(q, k, positions, self.rope_cos_sin)
+        ops.kv_write(k, v, k_cache, v_cache, slot_mapping)
+        attn = torch.empty(t, c.num_heads, c.head_dim, dtype=x.dtype, device=x.device)  # (T, H, D)
+        ops.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, self.scale, attn)
+        return x + attn.view(t, c.q_size) @ self.weight(f"{n}.wo")
+
+    def _mlp_block(self, n: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self._norm(x, self.weight(f"{n}.ffn_norm")) @ self.weight(f"{n}.wgate_up")  # (T, 2I)
+        act = torch.empty(x.shape[0], self.config.intermediate_size, dtype=x.dtype, device=x.device)  # (T, I)
+        ops.silu_mul(gate_up, act)
+        return x + act @ self.weight(f"{n}.wdown")
+
+
+def _buffer_name(name: str) -> str:
+    return "w_" + name.replace(".", "_")
+
+
+def build_step(source, dtype: torch.dtype = torch.float32, rope_positions: int | None = None) -> LlamaStep:
+    """Load and pack a model from a runtime.loader.WeightSource into a ready step module."""
+    packed = pack_weights(source.config, source, dtype)
+    return LlamaStep(source.config, packed, rope_positions, source.freq_factors())
