@@ -1,0 +1,164 @@
+"""Shape, dtype, stride and device contracts of the kernel ops.
+
+One check per op, shared by the Triton wrappers, the PyTorch references and the fake implementations that
+`torch.export` runs, so every path rejects the same bad call with the same message. The checks read tensor
+metadata only (never data), so they are cheap and work on fake and meta tensors.
+
+A failed check raises `ValueError` naming the op, the argument, and what was expected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fail(op: str, message: str) -> None:
+    raise ValueError(f"{op}: {message}")
+
+
+def _expect_shape(op: str, name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        _fail(op, f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def _expect_dtype(op: str, name: str, t: torch.Tensor, dtypes: tuple) -> None:
+    if t.dtype not in dtypes:
+        _fail(op, f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
+
+
+def _expect_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(op, f"{name} needs a contiguous last dim, got strides {t.stride()}")
+
+
+def _expect_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        _fail(op, f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def _expect_same_device(op: str, **tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        _fail(op, f"tensors on different devices: {devices}")
+
+
+def _expect_activation(op: str, name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> None:
+    """A float tensor of `dim` dims, last dim contiguous, optionally of a given dtype."""
+    if t.dim() != dim:
+        _fail(op, f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
+    _expect_dtype(op, name, t, FLOAT_DTYPES if dtype is None else (dtype,))
+    _expect_last_dim_contiguous(op, name, t)
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    op = "rms_norm"
+    _expect_activation(op, "x", x, 2)
+    num_tokens, hidden = x.shape
+    _expect_shape(op, "weight", weight, (hidden,))
+    _expect_dtype(op, "weight", weight, FLOAT_DTYPES)
+    _expect_contiguous(op, "weight", weight)
+    _expect_activation(op, "out", out, 2, x.dtype)
+    _expect_shape(op, "out", out, (num_tokens, hidden))
+    _expect_same_device(op, x=x, weight=weight, out=out)
+
+
+def check_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    op = "rope"
+    _expect_activation(op, "q", q, 3)
+    _expect_activation(op, "k", k, 3, q.dtype)
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        _fail(op, f"head_dim must be even, got {head_dim}")
+    _expect_shape(op, "k", k, (num_tokens, k.shape[1], head_dim))
+    _expect_shape(op, "positions", positions, (num_tokens,))
+    _expect_dtype(op, "positions", positions, (torch.int64,))
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim:
+        _fail(op, f"cos_sin must be (max_position, {head_dim}), got {tuple(cos_sin.shape)}")
+    _expect_dtype(op, "cos_sin", cos_sin, (torch.float32,))
+    _expect_contiguous(op, "cos_sin", cos_sin)
+    _expect_same_device(op, q=q, k=k, positions=positions, cos_sin=cos_sin)
+
+
+def check_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    op = "silu_mul"
+    _expect_activation(op, "gate_up", gate_up, 2)
+    num_tokens, two_inter = gate_up.shape
+    if two_inter % 2:
+        _fail(op, f"gate_up's last dim must be even (gate then up), got {two_inter}")
+    _expect_activation(op, "out", out, 2, gate_up.dtype)
+    _expect_shape(op, "out", out, (num_tokens, two_inter // 2))
+    _expect_same_device(op, gate_up=gate_up, out=out)
+
+
+def _check_kv_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    if k_cache.dim() != 3:
+        _fail(op, f"k_cache must be (num_rows, num_kv_heads, head_dim), got {tuple(k_cache.shape)}")
+    _expect_shape(op, "v_cache", v_cache, tuple(k_cache.shape))
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _expect_dtype(op, name, cache, (dtype,))
+        _expect_contiguous(op, name, cache)
+
+
+def check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    op = "kv_write"
+    _expect_activation(op, "k", k, 3)
+    _expect_activation(op, "v", v, 3, k.dtype)
+    _expect_shape(op, "v", v, tuple(k.shape))
+    _check_kv_cache_pair(op, k_cache, v_cache, k.dtype)
+    _expect_shape(op, "k_cache", k_cache, (k_cache.shape[0], k.shape[1], k.shape[2]))
+    _expect_shape(op, "slot_mapping", slot_mapping, (k.shape[0],))
+    _expect_dtype(op, "slot_mapping", slot_mapping, (torch.int64,))
+    _expect_same_device(op, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+
+
+def _check_attention_common(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slab_offset: torch.Tensor, context_len: torch.Tensor, out: torch.Tensor) -> None:
+    _expect_activation(op, "q", q, 3)
+    _, num_heads, head_dim = q.shape
+    _check_kv_cache_pair(op, k_cache, v_cache, q.dtype)
+    num_kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim or num_kv_heads == 0 or num_heads % num_kv_heads:
+        _fail(op, f"q heads/head_dim {tuple(q.shape[1:])} do not fit cache heads/head_dim "
+                  f"{tuple(k_cache.shape[1:])} (num_heads must be a multiple of num_kv_heads)")
+    num_seqs = slab_offset.shape[0] if slab_offset.dim() == 1 else -1
+    if num_seqs < 1:
+        _fail(op, f"slab_offset must be (num_seqs,) with num_seqs >= 1, got {tuple(slab_offset.shape)}")
+    _expect_dtype(op, "slab_offset", slab_offset, (torch.int64,))
+    _expect_shape(op, "context_len", context_len, (num_seqs,))
+    _expect_dtype(op, "context_len", context_len, (torch.int32,))
+    _expect_shape(op, "out", out, tuple(q.shape))
+    _expect_dtype(op, "out", out, (q.dtype,))
+    _expect_contiguous(op, "out", out)
+
+
+def check_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 query_start: torch.Tensor, slab_offset: torch.Tensor,
+                                 context_len: torch.Tensor, out: torch.Tensor) -> None:
+    op = "slab_prefill_attention"
+    _check_attention_common(op, q, k_cache, v_cache, slab_offset, context_len, out)
+    _expect_shape(op, "query_start", query_start, (slab_offset.shape[0] + 1,))
+    _expect_dtype(op, "query_start", query_start, (torch.int32,))
+    _expect_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, query_start=query_start,
+                        slab_offset=slab_offset, context_len=context_len, out=out)
+
+
+def check_slab_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                slab_offset: torch.Tensor, context_len: torch.Tensor, out: torch.Tensor,
+                                workspace: torch.Tensor | None) -> None:
+    op = "slab_decode_attention"
+    _check_attention_common(op, q, k_cache, v_cache, slab_offset, context_len, out)
+    num_seqs, num_heads, head_dim = q.shape
+    _expect_shape(op, "slab_offset", slab_offset, (num_seqs,))
+    if workspace is not None:
+        if workspace.dim() != 4 or workspace.shape[3] != head_dim + 2 or workspace.shape[2] < 1:
+            _fail(op, f"workspace must be (num_seqs, num_heads, num_splits, head_dim + 2) = "
+                      f"({num_seqs}, {num_heads}, splits, {head_dim + 2}), got {tuple(workspace.shape)}; "
+                      f"size it with kernels.decode_workspace_shape")
+        _expect_shape(op, "workspace", workspace, (num_seqs, num_heads, workspace.shape[2], head_dim + 2))
+        _expect_dtype(op, "workspace", workspace, (torch.float32,))
+        _expect_contiguous(op, "workspace", workspace)
+    _expect_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, slab_offset=slab_offset,
+                        context_len=context_len, out=out, workspace=workspace)

@@ -1,0 +1,180 @@
+"""The kernel ops as `torch.library` custom ops in the `slabserve` namespace, and the functions to call them.
+
+Each op mutates its output arguments (`out`, q/k for rope, the caches for kv_write) and returns nothing, so
+`torch.export` keeps it as one opaque node and the memory planner sees exactly which buffers it writes.
+Dispatch is by device: CPU tensors run the PyTorch references (`kernels.reference`), CUDA tensors the Triton
+wrappers; the fake implementations validate the contract (`kernels.contracts`) on metadata alone.
+
+Importing this module registers the ops and loads neither Triton nor CUDA: the Triton modules are imported on
+the first CUDA call (during warm-up, before any graph capture).
+
+  slabserve::rms_norm(x, weight, eps, out)
+  slabserve::rope(q, k, positions, cos_sin)
+  slabserve::silu_mul(gate_up, out)
+  slabserve::kv_write(k, v, k_cache, v_cache, slot_mapping)
+  slabserve::slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
+  slabserve::slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kernels import contracts, reference
+
+_LIB = "slabserve"
+
+
+# --- rms_norm -------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::rms_norm", mutates_args=("out",), device_types="cpu")
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    reference.rms_norm_ref(x, weight, eps, out)
+
+
+@_rms_norm_op.register_kernel("cuda")
+def _rms_norm_cuda(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    from kernels.triton_rmsnorm import rms_norm_triton
+    rms_norm_triton(x, weight, eps, out)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    contracts.check_rms_norm(x, weight, out)
+
+
+# --- rope -----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::rope", mutates_args=("q", "k"), device_types="cpu")
+def _rope_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    reference.rope_ref(q, k, positions, cos_sin)
+
+
+@_rope_op.register_kernel("cuda")
+def _rope_cuda(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    from kernels.triton_rope import rope_triton
+    rope_triton(q, k, positions, cos_sin)
+
+
+@_rope_op.register_fake
+def _rope_fake(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    contracts.check_rope(q, k, positions, cos_sin)
+
+
+# --- silu_mul -------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::silu_mul", mutates_args=("out",), device_types="cpu")
+def _silu_mul_op(gate_up: Tensor, out: Tensor) -> None:
+    reference.silu_mul_ref(gate_up, out)
+
+
+@_silu_mul_op.register_kernel("cuda")
+def _silu_mul_cuda(gate_up: Tensor, out: Tensor) -> None:
+    from kernels.triton_silu_mul import silu_mul_triton
+    silu_mul_triton(gate_up, out)
+
+
+@_silu_mul_op.register_fake
+def _silu_mul_fake(gate_up: Tensor, out: Tensor) -> None:
+    contracts.check_silu_mul(gate_up, out)
+
+
+# --- kv_write -------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::kv_write", mutates_args=("k_cache", "v_cache"), device_types="cpu")
+def _kv_write_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    reference.kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+@_kv_write_op.register_kernel("cuda")
+def _kv_write_cuda(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    from kernels.triton_kv_write import kv_write_triton
+    kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
+
+
+@_kv_write_op.register_fake
+def _kv_write_fake(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    contracts.check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+
+
+# --- slab_attention (prefill form; decode rows are sequences with q_len 1) --------------------------------
+
+@torch.library.custom_op(f"{_LIB}::slab_attention", mutates_args=("out",), device_types="cpu")
+def _slab_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor, slab_offset: Tensor,
+                       context_len: Tensor, scale: float, out: Tensor) -> None:
+    reference.slab_prefill_attention_ref(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
+
+
+@_slab_attention_op.register_kernel("cuda")
+def _slab_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor, slab_offset: Tensor,
+                         context_len: Tensor, scale: float, out: Tensor) -> None:
+    from kernels.triton_slab_attention import slab_prefill_attention_triton
+    slab_prefill_attention_triton(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
+
+
+@_slab_attention_op.register_fake
+def _slab_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor, slab_offset: Tensor,
+                         context_len: Tensor, scale: float, out: Tensor) -> None:
+    contracts.check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out)
+
+
+# --- slab_decode_attention ------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::slab_decode_attention", mutates_args=("out", "workspace"), device_types="cpu")
+def _slab_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: Tensor, context_len: Tensor,
+                    scale: float, out: Tensor, workspace: Optional[Tensor]) -> None:
+    reference.slab_decode_attention_ref(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
+
+
+@_slab_decode_op.register_kernel("cuda")
+def _slab_decode_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: Tensor, context_len: Tensor,
+                      scale: float, out: Tensor, workspace: Optional[Tensor]) -> None:
+    from kernels.triton_slab_attention import slab_decode_attention_triton
+    slab_decode_attention_triton(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
+
+
+@_slab_decode_op.register_fake
+def _slab_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: Tensor, context_len: Tensor,
+                      scale: float, out: Tensor, workspace: Optional[Tensor]) -> None:
+    contracts.check_slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, out, workspace)
+
+
+# --- the functions models call ----------------------------------------------------------------------------
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> Tensor:
+    """x (T, N), weight (N,), out (T, N): RMSNorm into out."""
+    torch.ops.slabserve.rms_norm(x, weight, eps, out)
+    return out
+
+
+def rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    """q (T, H, D), k (T, Hkv, D) rotated in place at positions (T,), table cos_sin (P, D) fp32."""
+    torch.ops.slabserve.rope(q, k, positions, cos_sin)
+
+
+def silu_mul(gate_up: Tensor, out: Tensor) -> Tensor:
+    """gate_up (T, 2I), out (T, I) = silu(gate) * up."""
+    torch.ops.slabserve.silu_mul(gate_up, out)
+    return out
+
+
+def kv_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """k, v (T, Hkv, D) into cache rows slot_mapping (T,); slot -1 skips the row."""
+    torch.ops.slabserve.kv_write(k, v, k_cache, v_cache, slot_mapping)
+
+
+def slab_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor,
+                           slab_offset: Tensor, context_len: Tensor, scale: float, out: Tensor) -> Tensor:
+    """q (T, H, D) flat rows of S sequences over their slabs, into out (T, H, D)."""
+    torch.ops.slabserve.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
+    return out
+
+
+def slab_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: Tensor, context_len: Tensor,
+                          scale: float, out: Tensor, workspace: Optional[Tensor] = None) -> Tensor:
+    """q (S, H, D), one query per sequence, over its whole slab, into out (S, H, D)."""
+    torch.ops.slabserve.slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
+    return out

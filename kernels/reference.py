@@ -1,0 +1,126 @@
+"""PyTorch references of every kernel op: the CPU serving path, and the ground truth the Triton kernels are
+tested against.
+
+Each reference has the same signature as its Triton wrapper, validates the same contract
+(`kernels.contracts`), writes its result into the given `out` (or in place), and allocates only small
+temporaries. Numerics follow HF Llama: statistics and attention in fp32; RMSNorm rounds the normalized value
+to the activation dtype before the weight multiply, SiLU-mul rounds silu(gate) before the product; RoPE
+rotates in fp32 and rounds once.
+
+Attention semantics (shared with the kernels): sequence s owns flat rows query_start[s] .. query_start[s+1]-1;
+query j of s sits at position p = context_len[s] - q_len_s + j and sees cache rows slab_offset[s] + [0, p].
+A row that sees no key (padding rows past query_start[S], rows of a sequence with context_len 0) gets zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.contracts import (
+    check_kv_write,
+    check_rms_norm,
+    check_rope,
+    check_silu_mul,
+    check_slab_decode_attention,
+    check_slab_prefill_attention,
+)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """out = x / sqrt(mean(x^2) + eps) * weight, with the statistic in fp32."""
+    check_rms_norm(x, weight, out)
+    hidden = x.shape[1]
+    inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # (T, 1)
+    inv_rms.square_().div_(hidden).add_(eps).rsqrt_()
+    torch.mul(x, inv_rms, out=out)  # fp32 product rounded to x.dtype, as HF does before the weight
+    return out.mul_(weight)
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate q and k in place, neox "rotate_half" style, at the given positions."""
+    check_rope(q, k, positions, cos_sin)
+    half = q.shape[2] // 2
+    table = cos_sin.index_select(0, positions)  # (T, D) fp32
+    cos, sin = table[:, None, :half], table[:, None, half:]  # (T, 1, D/2)
+    for x in (q, k):
+        x1, x2 = x[..., :half], x[..., half:]  # (T, H, D/2) views
+        a = x1.to(torch.float32, copy=True)  # copies: x1 is overwritten before x2 is computed
+        b = x2.to(torch.float32, copy=True)
+        rotated = torch.mul(a, cos)
+        x1.copy_(rotated.addcmul_(b, sin, value=-1.0))
+        torch.mul(b, cos, out=rotated)
+        x2.copy_(rotated.addcmul_(a, sin))
+
+
+def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = silu(gate_up[:, :I]) * gate_up[:, I:]."""
+    check_silu_mul(gate_up, out)
+    inter = out.shape[1]
+    torch.ops.aten.silu.out(gate_up[:, :inter], out=out)
+    return out.mul_(gate_up[:, inter:])
+
+
+def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot_mapping[t]] = k[t] (same for v), skipping rows whose slot is -1."""
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    valid = slot_mapping >= 0  # (T,)
+    if bool(valid.all()):
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)
+        return
+    rows = valid.nonzero().squeeze(1)  # (T_valid,)
+    slots = slot_mapping.index_select(0, rows)
+    k_cache.index_copy_(0, slots, k.index_select(0, rows))
+    v_cache.index_copy_(0, slots, v.index_select(0, rows))
+
+
+def _attend_slab(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, scale: float,
+                 out: torch.Tensor) -> None:
+    """Bottom-right aligned causal attention of q (L, H, D) over k/v_slab (C, Hkv, D), C >= L, into out."""
+    q_len, context = q.shape[0], k_slab.shape[0]
+    if q_len == 1 or q_len == context:  # no mask needed, or the plain top-left causal one
+        mask, is_causal = None, q_len > 1
+    else:
+        query_pos = torch.arange(context - q_len, context, device=q.device)  # (L,)
+        mask = torch.arange(context, device=q.device) <= query_pos[:, None]  # (L, C)
+        is_causal = False
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k_slab.transpose(0, 1), v_slab.transpose(0, 1),  # (H, L, D), (Hkv, C, D)
+        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
+    )  # (H, L, D)
+    out.copy_(attended.transpose(0, 1))
+
+
+def slab_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               query_start: torch.Tensor, slab_offset: torch.Tensor,
+                               context_len: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Chunked-prefill (and mixed decode) attention of flat rows q (T, H, D) over each sequence's slab."""
+    check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out)
+    starts, offsets, contexts = query_start.tolist(), slab_offset.tolist(), context_len.tolist()
+    out[starts[-1]:].zero_()
+    for s, (offset, context) in enumerate(zip(offsets, contexts)):
+        begin, end = starts[s], starts[s + 1]
+        if end == begin:
+            continue
+        if context < end - begin:  # padding sequence (context 0) or malformed metadata: nothing to see
+            out[begin:end].zero_()
+            continue
+        slab = slice(offset, offset + context)
+        _attend_slab(q[begin:end], k_cache[slab], v_cache[slab], scale, out[begin:end])
+    return out
+
+
+def slab_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slab_offset: torch.Tensor, context_len: torch.Tensor, scale: float,
+                              out: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence, q (S, H, D), over its whole slab; `workspace` is accepted and unused."""
+    check_slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, out, workspace)
+    for s, (offset, context) in enumerate(zip(slab_offset.tolist(), context_len.tolist())):
+        if context == 0:
+            out[s].zero_()
+            continue
+        slab = slice(offset, offset + context)
+        _attend_slab(q[s:s + 1], k_cache[slab], v_cache[slab], scale, out[s:s + 1])
+    return out

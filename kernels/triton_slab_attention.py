@@ -1,0 +1,222 @@
+"""Slab attention as Triton kernels: chunked prefill over flat rows, and split-context (flash) decoding.
+
+Both read each sequence's slab as one contiguous range of cache rows, with no block table. Semantics and the
+padding rules are those of `kernels.reference` (rows that see no key get zeros); contracts are in
+`kernels.contracts`. Grids depend on tensor shapes only (never on metadata values), so both launches are
+CUDA-graph capturable.
+
+GQA: a program owns one kv head and stacks the GROUP = H / Hkv query heads that share it along the M dim of
+its tile, so each K/V tile is loaded once for the whole group. Softmax runs online in log2 units (exp2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_util import block_size, dot_precision
+from kernels.contracts import check_slab_decode_attention, check_slab_prefill_attention
+from kernels.workspace import decode_workspace_shape, new_decode_workspace
+
+LOG2_E = 1.4426950408889634
+_PREFILL_BLOCK_M = 64  # query rows per tile: BLOCK_M // GROUP tokens times GROUP heads
+_BLOCK_N = 64  # keys per tile
+
+
+@triton.jit
+def _online_softmax_step(q, k_cache_ptr, v_cache_ptr, key_offsets, key_mask, dims, dim_mask, allowed,
+                         m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """Fold one key tile into the running (max, sum, acc).
+
+    key_offsets (BLOCK_N,): element offsets of the tile's cache rows (kv head included); `allowed`
+    (BLOCK_M, BLOCK_N) says which key each query row may see.
+    """
+    k = tl.load(k_cache_ptr + key_offsets[None, :] + dims[:, None],
+                mask=key_mask[None, :] & dim_mask[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet must not produce NaN
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :],
+                mask=key_mask[:, None] & dim_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _find_sequence(query_start_ptr, num_seqs, block_idx, BLOCK_Q: tl.constexpr):
+    """Largest s in [0, num_seqs] with query_start[s] // BLOCK_Q + s <= block_idx (binary search).
+
+    Sequence s owns grid blocks query_start[s] // BLOCK_Q + s + [0, cdiv(q_len_s, BLOCK_Q)); these ranges do
+    not overlap, and s = num_seqs stands for the padding rows past query_start[num_seqs].
+    """
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        fits = tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= block_idx
+        lo = tl.where(fits, mid, lo)
+        hi = tl.where(fits, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _slab_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, slab_offset_ptr,
+                         context_len_ptr, num_seqs, num_tokens, scale_log2, stride_qt, stride_qh, stride_ot,
+                         stride_oh, stride_cache_row, head_dim, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    block_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # 1) which sequence and which of its query blocks this program owns (s == num_seqs: trailing padding)
+    s = _find_sequence(query_start_ptr, num_seqs, block_idx, BLOCK_Q)
+    is_padding = s == num_seqs
+    meta = tl.minimum(s, num_seqs - 1)
+    q_begin = tl.load(query_start_ptr + s)
+    q_end = tl.where(is_padding, num_tokens, tl.load(query_start_ptr + meta + 1))
+    q_len = q_end - q_begin
+    context = tl.where(is_padding, 0, tl.load(context_len_ptr + meta))
+    context = tl.where(context < q_len, 0, context)  # padding sequence: no key is visible
+    first_query = (block_idx - (q_begin // BLOCK_Q + s)) * BLOCK_Q
+    if first_query >= q_len:
+        return
+    # 2) tile rows: BLOCK_Q tokens x GROUP heads of one kv head
+    rows = tl.arange(0, BLOCK_M)
+    query = first_query + rows // GROUP  # (BLOCK_M,) index within the sequence
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows // GROUP < BLOCK_Q) & (query < q_len)
+    position = context - q_len + query  # absolute position; negative when no key is visible
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    token = q_begin + query
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    # 3) online softmax over the keys the last query of the block can see
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    slab_base = tl.load(slab_offset_ptr + meta) * stride_cache_row + kv_head * head_dim  # int64
+    kv_end = context - q_len + tl.minimum(q_len, first_query + BLOCK_Q)
+    for start in range(0, kv_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < kv_end
+        allowed = (keys[None, :] <= position[:, None]) & key_mask[None, :]  # causal within the chunk
+        m_i, l_i, acc = _online_softmax_step(
+            q, k_cache_ptr, v_cache_ptr, slab_base + keys * stride_cache_row, key_mask, dims, dim_mask, allowed,
+            m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _slab_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slab_offset_ptr, context_len_ptr, workspace_ptr,
+                              scale_log2, stride_qs, stride_qh, stride_cache_row, head_dim,
+                              NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Partial attention of one (sequence, kv head, context chunk) into workspace[s, heads, split]."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_len_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole key tiles per split
+    lo = split * chunk
+    hi = tl.minimum(context, lo + chunk)
+    rows = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    slab_base = tl.load(slab_offset_ptr + seq) * stride_cache_row + kv_head * head_dim  # int64
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < hi
+        m_i, l_i, acc = _online_softmax_step(
+            q, k_cache_ptr, v_cache_ptr, slab_base + keys * stride_cache_row, key_mask, dims, dim_mask,
+            tl.broadcast_to(key_mask[None, :], [BLOCK_G, BLOCK_N]), m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    # Every program writes its slot, empty chunks included (max -inf, sum 0): the workspace is reused.
+    width = head_dim + 2
+    slot = workspace_ptr + ((seq * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split) * width  # (BLOCK_G,)
+    tl.store(slot[:, None] + dims[None, :], acc, mask=row_mask[:, None] & dim_mask[None, :])
+    tl.store(slot + head_dim, m_i, mask=row_mask)
+    tl.store(slot + head_dim + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def _slab_decode_reduce_kernel(workspace_ptr, out_ptr, stride_os, stride_oh, head_dim,
+                               NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine the split partials of one (sequence, head); a row with no key (context 0) gets zeros."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    width = head_dim + 2
+    base = workspace_ptr + ((seq * tl.num_programs(1) + head) * NUM_SPLITS + splits) * width  # (BLOCK_SPLITS,)
+    m = tl.load(base + head_dim, mask=split_mask, other=float("-inf"))
+    l = tl.load(base + head_dim + 1, mask=split_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for empty splits
+    total = tl.sum(weight * l, axis=0)
+    acc = tl.load(base[:, None] + dims[None, :], mask=split_mask[:, None] & (dims < head_dim)[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # (BLOCK_D,)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < head_dim)
+
+
+def _prefill_tiles(group: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): rows per tile and tokens per tile for GROUP query heads per kv head."""
+    block_m = max(_PREFILL_BLOCK_M, block_size(group))
+    return block_m, block_m // group
+
+
+def slab_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  query_start: torch.Tensor, slab_offset: torch.Tensor,
+                                  context_len: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = slab_offset.shape[0], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    block_m, block_q = _prefill_tiles(group)
+    if num_tokens == 0:
+        return out
+    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)  # see _find_sequence: covers every row
+    _slab_prefill_kernel[grid](
+        q, k_cache, v_cache, out, query_start, slab_offset, context_len, num_seqs, num_tokens, scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), head_dim,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_BLOCK_N, BLOCK_D=block_size(head_dim, 16),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+    )
+    return out
+
+
+def slab_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 slab_offset: torch.Tensor, context_len: torch.Tensor, scale: float,
+                                 out: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    check_slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, out, workspace)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if workspace is None:  # no plan: size the splits for the longest slab the arena could hold
+        spec = decode_workspace_shape(num_seqs, num_heads, head_dim, max_context=k_cache.shape[0])
+        workspace = new_decode_workspace(spec, q.device)
+    num_splits = workspace.shape[2]
+    group = num_heads // num_kv_heads
+    _slab_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, slab_offset, context_len, workspace, scale * LOG2_E,
+        q.stride(0), q.stride(1), k_cache.stride(0), head_dim,
+        NUM_SPLITS=num_splits, GROUP=group, BLOCK_G=block_size(group, 16), BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_size(head_dim, 16), DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+    )
+    _slab_decode_reduce_kernel[(num_seqs, num_heads)](
+        workspace, out, out.stride(0), out.stride(1), head_dim,
+        NUM_SPLITS=num_splits, BLOCK_SPLITS=block_size(num_splits), BLOCK_D=block_size(head_dim), num_warps=4,
+    )
+    return out
