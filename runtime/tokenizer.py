@@ -330,7 +330,7 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -457,7 +457,7 @@ class _GGUFMeta:
 
     def __init__(self, reader: gguf.GGUFReader, path: Path):
         self._fields = reader.fields
-        self._path = path
+        self.path = path
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self._fields.get(key)
@@ -466,12 +466,12 @@ class _GGUFMeta:
         try:
             return field.contents()
         except Exception as exc:
-            raise TokenizerFileError(f"{self._path}: metadata {key} is unreadable: {exc}") from exc
+            raise TokenizerFileError(f"{self.path}: metadata {key} is unreadable: {exc}") from exc
 
     def require(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
-            raise TokenizerFileError(f"{self._path}: metadata {key} is missing")
+            raise TokenizerFileError(f"{self.path}: metadata {key} is missing")
         return value
 
 
@@ -505,7 +505,7 @@ def _byte_level_bpe_from_gguf(meta: _GGUFMeta) -> tokenizers.Tokenizer:
     pre_name = meta.get("tokenizer.ggml.pre", "default")
     if pre_name not in _GPT2_PRE_TOKENIZERS:
         raise TokenizerFileError(
-            f"{meta._path}: tokenizer.ggml.pre {pre_name!r} is not supported for byte-level BPE; "
+            f"{meta.path}: tokenizer.ggml.pre {pre_name!r} is not supported for byte-level BPE; "
             f"supported: {', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}"
         )
     make_pre, ignore_merges = _GPT2_PRE_TOKENIZERS[pre_name]
@@ -597,6 +597,11 @@ class IncrementalDetokenizer:
     U+FFFD is held back, since it may be an incomplete character that the next token completes; the window slides
     forward whenever its text ends cleanly, so each push decodes O(1) tokens. Only a run of tokens that never
     forms a character (invalid bytes) keeps the window growing, and then only until a character arrives.
+
+    One known gap, in SentencePiece byte-fallback vocabularies only: their decoder turns a whole run of <0xNN>
+    tokens into U+FFFDs when any byte in the run is invalid or the run is cut short. If a stream ends (or breaks)
+    inside such a run, decode() shows U+FFFD where the stream already sent the run's complete characters. Holding
+    every byte run back until it ends would fix that at the cost of stalling CJK and emoji streams; we don't.
     """
 
     _PROMPT_CONTEXT_TOKENS = 6  # prompt tokens kept as left context: enough for any multi-token character

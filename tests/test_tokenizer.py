@@ -13,7 +13,7 @@ from _tok_fixtures import (
     write_tiny_byte_level_gguf,
     write_tiny_spm_gguf,
 )
-from tokenizers import pre_tokenizers
+from tokenizers import pre_tokenizers, processors
 
 from runtime.tokenizer import (
     ChatTemplateError,
@@ -133,11 +133,8 @@ def test_chat_template_matches_transformers(tok, ref, messages):
     for add_generation_prompt in (True, False):
         text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         assert text == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    assert tok.encode_chat(messages) == ref(text_of(tok, messages), add_special_tokens=False).input_ids
-
-
-def text_of(tok, messages):
-    return tok.apply_chat_template(messages, add_generation_prompt=True)
+    expected = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert tok.encode_chat(messages) == expected
 
 
 def test_other_byte_level_pre_tokenizers_match_transformers(tmp_path):
@@ -300,6 +297,16 @@ def test_from_hf_dir_reads_template_and_bos_from_config(tmp_path, spm):
     messages = [{"role": "user", "content": "hello"}]
     assert hf.apply_chat_template(messages) == "<s>[user] hello"
     assert hf.encode_chat(messages).count(1) == 1  # the template wrote BOS: no second one
+
+
+def test_from_hf_dir_without_add_bos_flag_follows_the_post_processor(tmp_path, spm):
+    backend = spm.backend.__class__.from_str(spm.backend.to_str())
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    hf = Tokenizer.from_hf_dir(tmp_path)
+    assert hf.add_bos is True
+    assert hf.encode("hello") == [1, *hf.encode("hello", add_special_tokens=False)] == spm.encode("hello")
 
 
 # -- (d) errors ------------------------------------------------------------------------------------------------------
