@@ -32,6 +32,7 @@ The shape of a spec (`?` marks an optional key; its default follows `=`):
       workload:                        # exactly one of `mix` and `trace`
         mix: [{name?: chat, share: 0.8, prompt: [16, 512], output: [16, 256]}, ...]   # shares sum to 1
         trace: traces/prod.csv         # (prompt, output) pairs: CSV `prompt,output` or JSONL {"prompt":, "output":}
+        max_classes?: 4                # most slab classes the planner may choose (1..16); each has its own queue
       budget?: 4GiB                    # KV memory; default: what the target has left after the other arenas
 
 A request needs `prompt + output` tokens of KV (its prompt and its `max_tokens`); ranges `[lo, hi]` are inclusive
@@ -68,6 +69,8 @@ GPUS: dict[str, int] = {
 DEFAULT_RESERVE: dict[str, int] = {"cuda": 1024**3, "cpu": 256 * 1024**2}
 DEFAULT_DTYPE: dict[str, str] = {"cuda": "bfloat16", "cpu": "float32"}
 SHARE_TOLERANCE = 1e-6
+DEFAULT_MAX_CLASSES = 4  # few classes: more slabs per class, so a burst of one length waits less
+MAX_SLAB_CLASSES = 16
 TRACE_FORMATS = (".csv", ".jsonl")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -134,6 +137,7 @@ class WorkloadSpec:
     mix: tuple[RequestClass, ...] = ()
     trace: str | None = None
     pairs: tuple[tuple[int, int], ...] = ()  # observed (prompt, output) lengths, in file order
+    max_classes: int = 4  # most slab classes the planner may choose
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,14 +440,18 @@ def _parse_classes(value: object, max_context: int, max_seqs: int) -> tuple[Slab
 
 
 def _parse_workload(value: object, max_context: int, base: Path) -> WorkloadSpec:
-    workload = _mapping(value, "kv.workload", ("mix", "trace"))
+    workload = _mapping(value, "kv.workload", ("mix", "trace", "max_classes"))
     if ("mix" in workload) == ("trace" in workload):
         raise _Invalid("kv.workload: give exactly one of `mix` (request classes with shares) and `trace` "
                        "(a file of observed prompt, output lengths)")
+    max_classes = _int(workload.get("max_classes", DEFAULT_MAX_CLASSES), "kv.workload.max_classes")
+    if max_classes > MAX_SLAB_CLASSES:
+        raise _Invalid(f"kv.workload.max_classes: {max_classes} is not allowed; expected 1 to {MAX_SLAB_CLASSES}")
     if "mix" in workload:
-        return WorkloadSpec(mix=_parse_mix(workload["mix"], max_context))
+        return WorkloadSpec(mix=_parse_mix(workload["mix"], max_context), max_classes=max_classes)
     trace = _text(workload["trace"], "kv.workload.trace")
-    return WorkloadSpec(trace=trace, pairs=read_trace(base / trace, max_context, key="kv.workload.trace"))
+    pairs = read_trace(base / trace, max_context, key="kv.workload.trace")
+    return WorkloadSpec(trace=trace, pairs=pairs, max_classes=max_classes)
 
 
 def _parse_mix(value: object, max_context: int) -> tuple[RequestClass, ...]:
@@ -643,9 +651,10 @@ def _kv_to_dict(kv: KVSpec) -> dict[str, Any]:
     if kv.classes:
         out["classes"] = [{"tokens": c.tokens, "count": c.count} for c in kv.classes]
     elif kv.workload is not None and kv.workload.trace is not None:
-        out["workload"] = {"trace": kv.workload.trace}
+        out["workload"] = {"trace": kv.workload.trace, "max_classes": kv.workload.max_classes}
     elif kv.workload is not None:
-        out["workload"] = {"mix": [_request_to_dict(r) for r in kv.workload.mix]}
+        out["workload"] = {"mix": [_request_to_dict(r) for r in kv.workload.mix],
+                           "max_classes": kv.workload.max_classes}
     if kv.budget_bytes is not None:
         out["budget"] = kv.budget_bytes
     return out
