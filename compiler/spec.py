@@ -52,7 +52,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from compiler.units import parse_bytes
+from compiler.units import format_bytes, parse_bytes
 
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 DEVICES = ("cpu", "cuda")
@@ -235,7 +235,8 @@ def _load_yaml(text: str, source: str) -> object:
 
 def _mapping(value: object, path: str, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
     if not isinstance(value, Mapping):
-        raise _Invalid(f"{path}: expected a mapping with keys {', '.join(allowed)}; got {_show(value)}")
+        where = f"{path}: " if path else ""
+        raise _Invalid(f"{where}expected a mapping with keys {', '.join(allowed)}; got {_show(value)}")
     for key in value:
         if key not in allowed:
             raise _Invalid(f"{_join(path, key)}: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
@@ -289,6 +290,10 @@ def _range(value: object, path: str) -> tuple[int, int]:
     if lo > hi:
         raise _Invalid(f"{path}: range [{lo}, {hi}] is reversed; expected [lo, hi] with lo <= hi")
     return lo, hi
+
+
+def _bytes(num_bytes: int) -> str:
+    return f"{format_bytes(num_bytes)} ({num_bytes} bytes)"
 
 
 def _join(path: str, key: object) -> str:
@@ -375,7 +380,7 @@ def _parse_target(value: object) -> TargetSpec:
         memory = _size(target["memory"], "target.memory")
     reserve = _size(target["reserve"], "target.reserve") if "reserve" in target else DEFAULT_RESERVE[device]
     if reserve >= memory:
-        raise _Invalid(f"target.reserve: {reserve} bytes leaves nothing of the target's {memory} bytes; "
+        raise _Invalid(f"target.reserve: {_bytes(reserve)} leaves nothing of the target's {_bytes(memory)}; "
                        f"lower the reserve or raise target.memory")
     return TargetSpec(device=device, memory_bytes=memory, reserve_bytes=reserve, gpu=gpu)
 
@@ -412,8 +417,8 @@ def _parse_kv(value: object, max_context: int, max_seqs: int, target: TargetSpec
     if "budget" in kv:
         budget = _size(kv["budget"], "kv.budget")
         if budget <= 0 or budget > target.usable_bytes:
-            raise _Invalid(f"kv.budget: {budget} bytes is not allowed; expected more than 0 and at most what the "
-                           f"target leaves after its reserve ({target.usable_bytes} bytes)")
+            raise _Invalid(f"kv.budget: {_bytes(budget)} is not allowed; expected more than 0 and at most what "
+                           f"the target leaves after its reserve ({_bytes(target.usable_bytes)})")
     if "classes" in kv:
         return KVSpec(classes=_parse_classes(kv["classes"], max_context, max_seqs), budget_bytes=budget)
     return KVSpec(workload=_parse_workload(kv["workload"], max_context, base), budget_bytes=budget)
@@ -467,7 +472,8 @@ def _parse_mix(value: object, max_context: int) -> tuple[RequestClass, ...]:
                                output=_range(entry["output"], f"{path}.output"), name=name)
         if request.max_need > max_context:
             raise _Invalid(f"{path}: its longest request needs {request.max_need} tokens (prompt "
-                           f"{request.prompt[1]} + output {request.output[1]}), above max_context ({max_context})")
+                           f"{request.prompt[1]} + output {request.output[1]}), above max_context ({max_context}); "
+                           f"shorten its ranges or raise max_context")
         mix.append(request)
     total = math.fsum(r.share for r in mix)
     if abs(total - 1.0) > SHARE_TOLERANCE:
