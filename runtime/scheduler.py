@@ -388,7 +388,7 @@ class Scheduler:
             if len(frees) >= 2 and now > frees[0]:
                 rate += (len(frees) - 1) / (now - frees[0])
         measured = rate > 0
-        retry_ms = min(_MAX_RETRY_MS, max(1, math.ceil(1000 / rate))) if measured else _DEFAULT_RETRY_MS
+        retry_ms = min(_MAX_RETRY_MS, max(1, round(1000 / rate))) if measured else _DEFAULT_RETRY_MS
         cls = self.allocator.classes[home]
         return QueueFullError(home, cls.tokens, self.queue_limit, retry_ms, measured)
 
