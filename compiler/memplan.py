@@ -36,6 +36,9 @@ class TensorSpec:
     last_use: int
 
     def __post_init__(self) -> None:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.nbytes, self.first_use,
+                                                                             self.last_use)):
+            raise PlanError(f"tensor {self.name!r}: nbytes, first_use and last_use must be integers")
         if self.nbytes < 0:
             raise PlanError(f"tensor {self.name!r}: nbytes {self.nbytes} is negative")
         if not 0 <= self.first_use <= self.last_use:

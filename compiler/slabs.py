@@ -192,8 +192,10 @@ def plan_slabs(needs: NeedDistribution, *, max_context: int, max_seqs: int, kv_b
     """Classes and counts that hold the most requests of the mix at once within the budget and `max_seqs`.
 
     1) Candidate capacities: every need rounded up to `granularity` tokens (capped at `max_context`), or, when
-       there are more than MAX_CANDIDATES, the needs at MAX_CANDIDATES evenly spaced quantiles. The largest,
-       covering the longest request, is always a class: no request of the mix is refused.
+       there are more than MAX_CANDIDATES, the needs at MAX_CANDIDATES evenly spaced quantiles. Nothing is lost
+       by looking only at rounded needs: a capacity strictly between two candidates holds the same requests as
+       the candidate below it, at a higher cost. The largest candidate, covering the longest request, is always
+       a class, so no request of the mix is refused.
     2) For k = 1..max_classes classes, the k capacities that minimize the expected capacity a request holds,
        E[c(need)], by dynamic programming over the sorted candidates (exact over them). With N requests in
        proportion, the memory they hold is N * E[c(need)] * bytes_per_token, so the smallest E[c] holds the
@@ -202,6 +204,10 @@ def plan_slabs(needs: NeedDistribution, *, max_context: int, max_seqs: int, kv_b
        the budget (`_counts_for`), found by bisection since the cost grows with N; budget left over buys extra
        slabs of the largest class it can pay for, up to max_seqs slabs in all (headroom for bursts).
     4) The best of these by (concurrency, utilization, fewer classes), so ties resolve the same way every time.
+
+    Concurrency counts requests in the mix's exact proportions; real arrivals vary around it, and a class with
+    few slabs feels that most. Hence a small `max_classes` by default: more classes raise utilization (for the
+    shipped mixes, about 0.67 -> 0.81 from 4 to 8) but split the slabs into smaller pools.
     """
     if needs.max_need > max_context:
         raise SlabPlanError(f"the workload's longest request needs {needs.max_need} tokens, above max_context "

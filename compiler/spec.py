@@ -46,7 +46,7 @@ import importlib.util
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
@@ -159,7 +159,7 @@ class Spec:
     buckets: tuple[int, ...]
     max_context: int
     kv: KVSpec
-    source: str = "<spec>"  # where the spec came from, for messages only
+    source: str = field(default="<spec>", compare=False)  # where the spec came from, for messages only
 
     @property
     def servable(self) -> bool:
@@ -523,7 +523,7 @@ def _csv_rows(text: str) -> list[tuple[int, object, object]]:
         if len(cells) != 2:
             rows.append((line, row, None))
             continue
-        rows.append((line, *(int(c) if c.isdigit() else c for c in cells)))
+        rows.append((line, *(int(c) if c.isascii() and c.isdigit() else c for c in cells)))
     return rows
 
 

@@ -147,7 +147,8 @@ def test_verify_shared_refuses_a_bucket_larger_than_the_arena():
 
 @pytest.mark.parametrize(
     "args, message",
-    [(("x", -1, 0, 0), "nbytes -1 is negative"), (("x", 8, 3, 2), r"lifetime \[3, 2\]"), (("x", 8, -1, 2), "lifetime")],
+    [(("x", -1, 0, 0), "nbytes -1 is negative"), (("x", 8, 3, 2), r"lifetime \[3, 2\]"), (("x", 8, -1, 2), "lifetime"),
+     (("x", 8.0, 0, 1), "must be integers"), (("x", True, 0, 1), "must be integers")],
 )
 def test_tensor_spec_refuses_nonsense(args, message):
     with pytest.raises(PlanError, match=message):

@@ -195,6 +195,8 @@ def test_missing_spec_file(tmp_path):
     [
         ("prompt,output\n10,5\n7\n", r"trace.csv:3: expected two integers >= 1 \(prompt, output\)"),
         ("10,x\n", r"trace.csv:1: expected two integers >= 1"),
+        ("10,\u00b2\n", r"trace.csv:1: expected two integers >= 1"),
+        ("1,2,3\n", r"trace.csv:1: expected two integers >= 1"),
         ("10,3000\n", r"trace.csv:1: the request needs 3010 tokens, above max_context \(2048\)"),
         ("prompt,output\n", r"trace.csv holds no \(prompt, output\) pairs"),
     ],
