@@ -455,7 +455,7 @@ def _parse_workload(value: object, max_context: int, base: Path) -> WorkloadSpec
     if "mix" in workload:
         return WorkloadSpec(mix=_parse_mix(workload["mix"], max_context), max_classes=max_classes)
     trace = _text(workload["trace"], "kv.workload.trace")
-    pairs = read_trace(base / trace, max_context, key="kv.workload.trace")
+    pairs = _read_trace(base / trace, max_context, key="kv.workload.trace")
     return WorkloadSpec(trace=trace, pairs=pairs, max_classes=max_classes)
 
 
@@ -489,7 +489,7 @@ def _parse_mix(value: object, max_context: int) -> tuple[RequestClass, ...]:
 # Files the spec points at
 
 
-def read_trace(path: Path, max_context: int, *, key: str = "trace") -> tuple[tuple[int, int], ...]:
+def _read_trace(path: Path, max_context: int, *, key: str = "trace") -> tuple[tuple[int, int], ...]:
     """(prompt, output) pairs from CSV (`prompt,output`, header optional) or JSONL ({"prompt": n, "output": n})."""
     if path.suffix not in TRACE_FORMATS:
         raise _Invalid(f"{key}: {str(path)!r} has an unknown format; expected one of {', '.join(TRACE_FORMATS)}")
