@@ -70,6 +70,7 @@ def assert_parity(step_module, hf_model, config, vocab: int, atol: float = 1e-4,
         for pos, row in rows.items():
             worst = max(worst, float((row - ref[s][pos]).abs().max()))
     assert worst < atol, f"max |logit diff| {worst:.3g} >= {atol}"
+    print(f"max |logit diff| {worst:.3g}")
     return worst
 
 
@@ -111,5 +112,4 @@ def test_gguf_tensor_types_match_dequantized_reference(type_name, tmp_path):
         np.testing.assert_array_equal(got, expected, err_msg=gguf_name)
     # and the model built from it computes what transformers computes on the same (dequantized) weights
     hf = hf_reference(save_reference_as_hf(tmp_path / "ref", config, reference))
-    scale = max(1.0, float(np.abs(reference["token_embd.weight"]).max()))
-    assert_parity(build_step(source, torch.float32), hf, source.config, GGUF_TINY["vocab_size"], atol=1e-4 * scale)
+    assert_parity(build_step(source, torch.float32), hf, source.config, GGUF_TINY["vocab_size"])

@@ -1,0 +1,92 @@
+"""The bundled SmolLM2-135M GGUF through slabserve's step against transformers loading the same GGUF.
+
+Five chat prompts run together in flat steps (one prefill step, then 64 batched decode steps, greedy); the
+reference runs each prompt alone with its own KV cache. Token ids must be identical and the logits of every
+step within 1e-3.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _models import smollm2_path
+from runtime.loader import open_model
+from runtime.model import build_step
+from runtime.step import SeqChunk, StepInputs
+from runtime.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 20.",
+    "Translate 'good morning' into Spanish and German.",
+]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    tok = Tokenizer.from_gguf(smollm2_path())
+    return [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def slabserve_greedy(prompt_ids: list[list[int]]):
+    source = open_model(smollm2_path())
+    c = source.config
+    step = build_step(source, torch.float32, rope_positions=1024)
+    slab = 256
+    k_cache = torch.zeros(c.num_layers, slab * len(prompt_ids), c.num_kv_heads, c.head_dim)  # (L, N, Hkv, D)
+    v_cache = torch.zeros_like(k_cache)
+    prefill = StepInputs(sum(map(len, prompt_ids)), len(prompt_ids))
+    decode = StepInputs(8, 8)
+    seqs = [list(ids) for ids in prompt_ids]
+    logits_per_step = []
+    inputs = prefill
+    chunks = [SeqChunk(i * slab, 0, ids, slab) for i, ids in enumerate(seqs)]
+    for _ in range(NEW_TOKENS):
+        inputs.fill(chunks)
+        with torch.no_grad():
+            logits = step(**inputs.tensors(), k_cache=k_cache, v_cache=v_cache)[: len(seqs)]  # (S, V)
+        logits_per_step.append(logits.clone())
+        for s, token in enumerate(logits.argmax(-1).tolist()):
+            seqs[s].append(token)
+        chunks = [SeqChunk(i * slab, len(ids) - 1, ids[-1:], slab) for i, ids in enumerate(seqs)]
+        inputs = decode
+    return [ids[len(p):] for ids, p in zip(seqs, prompt_ids)], torch.stack(logits_per_step, 1)  # (S, steps, V)
+
+
+def transformers_greedy(prompt_ids: list[list[int]]):
+    import transformers
+
+    path = smollm2_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    outputs, logits_all = [], []
+    for ids in prompt_ids:
+        past, cur, new, step_logits = None, torch.tensor([ids]), [], []
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                out = model(cur, past_key_values=past, use_cache=True)
+                past, last = out.past_key_values, out.logits[0, -1]
+                step_logits.append(last)
+                new.append(int(last.argmax()))
+                cur = torch.tensor([[new[-1]]])
+        outputs.append(new)
+        logits_all.append(torch.stack(step_logits))
+    return outputs, torch.stack(logits_all)  # (S, steps, V)
+
+
+def test_smollm2_greedy_matches_transformers(prompt_ids):
+    ours, our_logits = slabserve_greedy(prompt_ids)
+    ref, ref_logits = transformers_greedy(prompt_ids)
+    for p, a, b in zip(PROMPTS, ours, ref):
+        assert a == b, f"prompt {p!r}: token ids differ at {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)}"
+    first_step = (our_logits[:, 0] - ref_logits[:, 0]).abs().max().item()
+    every_step = (our_logits - ref_logits).abs().max().item()
+    print(f"SmolLM2: {len(PROMPTS)} prompts x {NEW_TOKENS} tokens identical; max |logit diff| after prefill "
+          f"{first_step:.3g}, over all steps {every_step:.3g}")
+    assert first_step < 1e-3, f"last-position logits after prefill differ by {first_step:.3g}"
+    assert every_step < 1e-3, f"logits differ by up to {every_step:.3g} over {NEW_TOKENS} steps"
