@@ -6,7 +6,8 @@ Contract with the engine (one thread owns the scheduler; calls are not thread-sa
     sampled = run_the_step(step)         # {request_id: token_id} for every chunk with sample=True
     events = scheduler.complete_step(step, sampled)
 
-At most one step is in flight: `schedule()` refuses while the previous step has not been completed (or
+gRPC handlers run on other threads: the engine serializes every call (one lock, or a command queue drained by
+the engine thread between steps). At most one step is in flight: `schedule()` refuses while the previous step has not been completed (or
 discarded). `abort` and `finish` may be called at any time between those calls; a sequence they end never appears
 in a later step, and its token in an in-flight step is ignored by `complete_step`.
 
@@ -68,9 +69,10 @@ class OutOfRangeError(ValueError):
 class QueueFullError(RuntimeError):
     """RESOURCE_EXHAUSTED: the queue of slab class `class_index` is full; retry after about `retry_after_ms`."""
 
-    def __init__(self, class_index: int, class_tokens: int, queue_limit: int, retry_after_ms: int, measured: bool):
+    def __init__(self, class_index: int, class_tokens: int, queue_limit: int, retry_after_ms: int, measured: bool,
+                 busy: str):
         basis = "from recent completions" if measured else "no request of this size has finished yet"
-        super().__init__(f"slab class {class_index} ({class_tokens} tokens) is full and its queue holds "
+        super().__init__(f"slab class {class_index} ({class_tokens} tokens): {busy}, and its queue holds "
                          f"{queue_limit} requests (the limit); retry in about {retry_after_ms} ms ({basis})")
         self.class_index = class_index
         self.class_tokens = class_tokens
@@ -112,8 +114,8 @@ class StepChunk:
 @dataclass(frozen=True, slots=True)
 class ScheduledStep:
     chunks: tuple[StepChunk, ...]  # decode chunks first, then prefill chunks
-    bucket: int                    # smallest bucket >= num_tokens: the static step shape to run
-    num_tokens: int                # real tokens in the step (the rest of the bucket is padding)
+    bucket: int                    # smallest bucket >= num_scheduled_tokens: the static step shape to run
+    num_scheduled_tokens: int                # real tokens in the step (the rest of the bucket is padding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,11 @@ class _Seq:
 # ---- the scheduler ------------------------------------------------------------------------------------------------
 
 class Scheduler:
+    """Admission into slabs and packing of steps, for one engine. Sizes come from the plan: `classes` (the slab
+    table), `max_seqs`, `step_tokens` and `buckets` (ascending, the last one is step_tokens); `queue_limit` bounds
+    each class's queue; `prefill_chunk` caps one sequence's prefill tokens per step (None: step_tokens);
+    `oldest_prefill_share` is the share of the prefill budget guaranteed to the oldest prefilling sequence."""
+
     def __init__(self, classes: Sequence[SlabClass], max_seqs: int, step_tokens: int, buckets: Sequence[int],
                  queue_limit: int, prefill_chunk: int | None = None, clock: Callable[[], float] = time.monotonic,
                  *, oldest_prefill_share: float = 0.25):
@@ -216,7 +223,12 @@ class Scheduler:
         return self.finish(request_id, FinishReason.CANCELLED)
 
     def finish(self, request_id: str, reason: FinishReason) -> bool:
-        """End a request for a reason found outside the scheduler (a stop string). False if it already ended."""
+        """End a request for a reason found outside the scheduler (a stop string). False if it already ended.
+
+        No event is produced: the caller, which chose `reason`, sends the request's final event itself.
+        """
+        if not isinstance(reason, FinishReason):
+            raise TypeError(f"reason must be a FinishReason, got {reason!r}")
         seq = self._live.get(request_id)
         if seq is None:
             return False
@@ -242,10 +254,10 @@ class Scheduler:
                                     (seq.last_token,), True))
             seqs.append(seq)
         # 3) prefill: chunks of prompts into what is left of the token budget
-        num_tokens = len(chunks) + self._pack_prefills(self.step_tokens - len(chunks), chunks, seqs)
+        num_scheduled_tokens = len(chunks) + self._pack_prefills(self.step_tokens - len(chunks), chunks, seqs)
         if not chunks:
             return None
-        step = ScheduledStep(tuple(chunks), self.buckets[bisect_left(self.buckets, num_tokens)], num_tokens)
+        step = ScheduledStep(tuple(chunks), self.buckets[bisect_left(self.buckets, num_scheduled_tokens)], num_scheduled_tokens)
         self._inflight = (step, tuple(seqs))
         return step
 
@@ -389,8 +401,9 @@ class Scheduler:
                 rate += (len(frees) - 1) / (now - frees[0])
         measured = rate > 0
         retry_ms = min(_MAX_RETRY_MS, max(1, round(1000 / rate))) if measured else _DEFAULT_RETRY_MS
-        cls = self.allocator.classes[home]
-        return QueueFullError(home, cls.tokens, self.queue_limit, retry_ms, measured)
+        busy = (f"all {self.max_seqs} sequence slots are running" if self.num_running >= self.max_seqs
+                else "every slab that fits is in use")
+        return QueueFullError(home, self.allocator.classes[home].tokens, self.queue_limit, retry_ms, measured, busy)
 
 
 def _remaining_prompt(seq: _Seq) -> int:

@@ -112,6 +112,11 @@ def test_queue_full_names_class_and_hints_retry():
     assert err.value.class_index == 0 and err.value.retry_after_ms == 1000  # nothing finished yet: the fallback
     s.submit(_req("e", 30))  # class 1's own queue is separate
     assert s.load().queued_per_class == (1, 1)
+    assert "all 2 sequence slots are running" in str(err.value)
+    s = _sched(classes=((16, 1),), max_seqs=4, queue_limit=0)
+    s.submit(_req("a", 8))
+    with pytest.raises(QueueFullError, match="every slab that fits is in use"):
+        s.submit(_req("b", 8))
 
 
 def test_queue_full_retry_hint_follows_recent_completions():
@@ -158,13 +163,13 @@ def test_bucket_is_smallest_that_holds_the_step():
     s = _sched(step_tokens=32)
     s.submit(_req("a", 5))
     step, _ = _run(s)
-    assert (step.num_tokens, step.bucket) == (5, 8)
+    assert (step.num_scheduled_tokens, step.bucket) == (5, 8)
     s.submit(_req("b", 2))
     s.submit(_req("c", 1))
     step, _ = _run(s)  # a decodes (1) + b (2) + c (1)
-    assert (step.num_tokens, step.bucket) == (4, 4)
+    assert (step.num_scheduled_tokens, step.bucket) == (4, 4)
     step, _ = _run(s)
-    assert (step.num_tokens, step.bucket) == (3, 4)
+    assert (step.num_scheduled_tokens, step.bucket) == (3, 4)
 
 
 def test_chunked_prefill_sample_flags_and_positions():
@@ -197,7 +202,7 @@ def test_decode_first_then_prefill_within_budget():
     s.submit(_req("long", 40))
     step, _ = _run(s)
     assert [len(c.token_ids) for c in step.chunks] == [1, 1, 1, 13]
-    assert step.num_tokens == 16 and step.chunks[-1].request_id == "long"
+    assert step.num_scheduled_tokens == 16 and step.chunks[-1].request_id == "long"
 
 
 def test_short_prompt_not_delayed_by_long_prefill():
@@ -348,8 +353,8 @@ class _Checker:
     def _check_step(self, step: ScheduledStep) -> None:
         ids = [c.request_id for c in step.chunks]
         assert len(ids) == len(set(ids)) <= self.s.max_seqs
-        assert step.num_tokens == sum(len(c.token_ids) for c in step.chunks) <= self.s.step_tokens
-        assert step.bucket == min(b for b in self.s.buckets if b >= step.num_tokens)
+        assert step.num_scheduled_tokens == sum(len(c.token_ids) for c in step.chunks) <= self.s.step_tokens
+        assert step.bucket == min(b for b in self.s.buckets if b >= step.num_scheduled_tokens)
         for c in step.chunks:
             self._check_chunk(c)
 
