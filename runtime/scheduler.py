@@ -115,7 +115,7 @@ class StepChunk:
 class ScheduledStep:
     chunks: tuple[StepChunk, ...]  # decode chunks first, then prefill chunks
     bucket: int                    # smallest bucket >= num_scheduled_tokens: the static step shape to run
-    num_scheduled_tokens: int                # real tokens in the step (the rest of the bucket is padding)
+    num_scheduled_tokens: int      # real tokens in the step (the rest of the bucket is padding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +254,10 @@ class Scheduler:
                                     (seq.last_token,), True))
             seqs.append(seq)
         # 3) prefill: chunks of prompts into what is left of the token budget
-        num_scheduled_tokens = len(chunks) + self._pack_prefills(self.step_tokens - len(chunks), chunks, seqs)
+        num_tokens = len(chunks) + self._pack_prefills(self.step_tokens - len(chunks), chunks, seqs)
         if not chunks:
             return None
-        step = ScheduledStep(tuple(chunks), self.buckets[bisect_left(self.buckets, num_scheduled_tokens)], num_scheduled_tokens)
+        step = ScheduledStep(tuple(chunks), self.buckets[bisect_left(self.buckets, num_tokens)], num_tokens)
         self._inflight = (step, tuple(seqs))
         return step
 
