@@ -7,9 +7,11 @@ Contract with the engine (one thread owns the scheduler; calls are not thread-sa
     events = scheduler.complete_step(step, sampled)
 
 gRPC handlers run on other threads: the engine serializes every call (one lock, or a command queue drained by
-the engine thread between steps). At most one step is in flight: `schedule()` refuses while the previous step has not been completed (or
-discarded). `abort` and `finish` may be called at any time between those calls; a sequence they end never appears
-in a later step, and its token in an in-flight step is ignored by `complete_step`.
+the engine thread between steps). At most one step is in flight: `schedule()` refuses while the previous step
+has not been completed (or discarded). `abort`, `finish` and `submit` may be called between those calls; a
+sequence ended that way never appears in a later step, and its token in an in-flight step is ignored by
+`complete_step`. A slab freed while a step is in flight may go to a new request at once: its first chunk runs in
+a later step, after the in-flight one has finished writing, as long as steps run one after another.
 
 Admission (DESIGN.md): a request needing `prompt + max_tokens` rows goes to the smallest class with a free slab
 that can hold it. When every class that fits is full it waits in the FIFO queue of its *home* class (the smallest
@@ -415,7 +417,8 @@ def _validate(request: Request) -> None:
     if not isinstance(request.request_id, str) or not request.request_id:
         raise InvalidRequestError("request_id", "must be a non-empty string")
     if not isinstance(request.prompt_ids, tuple):
-        raise InvalidRequestError("prompt_ids", f"must be a tuple of token ids, got {type(request.prompt_ids).__name__}")
+        raise InvalidRequestError("prompt_ids",
+                                  f"must be a tuple of token ids, got {type(request.prompt_ids).__name__}")
     if not request.prompt_ids:
         raise InvalidRequestError("prompt_ids", "the prompt is empty; at least one token is needed")
     if min(request.prompt_ids) < 0:
