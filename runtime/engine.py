@@ -1,0 +1,291 @@
+"""The engine: the scheduler, the step, the sampler and the tokenizer joined into one Python API.
+
+Contract: an `Engine` owns every buffer it uses (weights, the KV arena sized by its slab classes, step inputs per
+bucket, sampler buffers), all made in the constructor. `submit` queues a request; each `step()` runs one engine
+step and returns the token events it produced. `generate` (a batch, to completion) and `stream` (one request's
+events as they come) are built on those two. Text stop strings are matched here, on the detokenized stream, and
+end the request through `Scheduler.finish`; everything else about a request's life is the scheduler's.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.loader import GGUFSource, WeightSource, open_model
+from runtime.model import build_step
+from runtime.sampler import Sampler, SamplingParams, make_generator
+from runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
+from runtime.slab_allocator import SlabClass
+from runtime.step import StepInputs
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str                           # HF folder or GGUF file
+    classes: tuple[SlabClass, ...]       # KV slab classes, laid out one after another in the arena
+    max_seqs: int = 16
+    step_tokens: int = 256
+    buckets: tuple[int, ...] = ()        # default: powers of two up to step_tokens
+    dtype: str = "float32"
+    queue_limit: int = 64                # waiting requests per slab class
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingOptions:
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()           # text that ends the output (not included in it)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_s: float            # arrival -> first step that ran the request
+    ttft_s: float             # arrival -> first output token
+    tpot_s: float             # mean time per output token after the first
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEvent:
+    request_id: str
+    token_ids: tuple[int, ...]            # tokens sampled for the request in this step (one, or none on a stop)
+    text: str                             # new text only; held back while it may be the start of a stop string
+    finished: FinishReason | None = None
+    prompt_tokens: int = 0                # usage, set on the final event
+    completion_tokens: int = 0
+    timings: Timings | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    timings: Timings
+
+
+@dataclass(slots=True)
+class _Live:
+    """Per-request state the scheduler does not keep: sampling, detokenization, stop strings, timings."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    prompt_tokens: int
+    arrival: float
+    text: str = ""          # all text decoded so far
+    sent: int = 0           # characters of `text` already returned
+    num_tokens: int = 0
+    started: float | None = None
+    first_token: float | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, source: WeightSource | None = None):
+        source = source or open_model(config.model)
+        self.config = config
+        self.model_config = c = source.config
+        self.tokenizer = _tokenizer_for(source)
+        self.dtype = DTYPES[config.dtype]
+        buckets = config.buckets or _powers_of_two(config.step_tokens)
+        max_slab = max(k.tokens for k in config.classes)
+        if max_slab > c.context_limit:
+            raise ValueError(f"slab class of {max_slab} tokens exceeds the model's context of {c.context_limit}: "
+                             f"lower it by {max_slab - c.context_limit}")
+        self.step_fn = build_step(source, self.dtype, rope_positions=max_slab)
+        rows = sum(k.tokens * k.count for k in config.classes)
+        self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.inputs = {b: StepInputs(b, config.max_seqs) for b in buckets}
+        self.sampler = Sampler(config.max_seqs, c.vocab_size)
+        self.scheduler = Scheduler(config.classes, config.max_seqs, config.step_tokens, buckets, config.queue_limit)
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._cancelled: list[str] = []  # aborted requests whose CANCELLED event is not yet returned
+        self._seed_source = random.Random()
+
+    # ---- requests in ----------------------------------------------------------------------------------------------
+
+    def prompt_ids(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+        """Text, token ids, or chat messages (rendered with the model's template) -> prompt token ids."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif prompt and isinstance(prompt[0], Mapping):
+            self.tokenizer.validate_roles(prompt)
+            ids = self.tokenizer.encode_chat(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError("token_ids", f"id {bad[0]} is outside the vocabulary "
+                                                       f"[0, {self.model_config.vocab_size})")
+        if not ids:
+            raise InvalidRequestError("prompt", "is empty")
+        return tuple(ids)
+
+    def submit(self, prompt, sampling: SamplingParams = SamplingParams(), stopping: StoppingOptions = StoppingOptions(),
+               request_id: str | None = None) -> str:
+        """Queue a request; raises the scheduler's errors (invalid, out of range, queue full). Returns its id."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        try:
+            sampling.validate(self.model_config.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc).split(" =")[0], str(exc)) from None
+        ids = self.prompt_ids(prompt)
+        eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        now = time.monotonic()
+        self.scheduler.submit(Request(request_id, ids, stopping.max_tokens, eos, frozenset(stopping.stop_token_ids),
+                                      stopping.ignore_eos, now))
+        seed = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
+        self._live[request_id] = _Live(sampling, make_generator(seed),
+                                       IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True),
+                                       tuple(s for s in stopping.stop if s), len(ids), now)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its slab is free for the next step. Its stream ends with a CANCELLED event."""
+        live = self._live.get(request_id)
+        if live is None or not self.scheduler.abort(request_id):
+            return False
+        self._cancelled.append(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._cancelled)
+
+    # ---- steps ----------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[GenerationEvent]:
+        """Run one engine step; return the events it produced (cancellations first)."""
+        events = [self._final(rid, FinishReason.CANCELLED, ()) for rid in self._cancelled]
+        self._cancelled.clear()
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return events
+        # 1) pack the bucket's inputs in place and run the step
+        inputs = self.inputs[scheduled.bucket]
+        inputs.fill(scheduled.chunks)
+        now = time.monotonic()
+        for chunk in scheduled.chunks:
+            live = self._live[chunk.request_id]
+            live.started = live.started or now
+        with torch.no_grad():
+            logits = self.step_fn(**inputs.tensors(), k_cache=self.k_cache, v_cache=self.v_cache)  # (S, V)
+        # 2) sample the rows that end a sequence's known tokens
+        sampled = self._sample(scheduled, logits)
+        # 3) let the scheduler advance, then turn tokens into text and match stop strings
+        for event in self.scheduler.complete_step(scheduled, sampled):
+            events.append(self._token_event(event.request_id, event.token_id, event.finished))
+        return events
+
+    def _sample(self, scheduled: ScheduledStep, logits: torch.Tensor) -> dict[str, int]:
+        rows = [i for i, chunk in enumerate(scheduled.chunks) if chunk.sample]
+        if not rows:
+            return {}
+        lives = [self._live[scheduled.chunks[i].request_id] for i in rows]
+        picked = logits[rows] if len(rows) != len(scheduled.chunks) else logits[: len(rows)]
+        tokens = self.sampler.sample(picked.float(), [l.params for l in lives], [l.generator for l in lives])
+        return {scheduled.chunks[i].request_id: int(t) for i, t in zip(rows, tokens.tolist())}
+
+    def _token_event(self, request_id: str, token_id: int, finished: FinishReason | None) -> GenerationEvent:
+        live = self._live[request_id]
+        now = time.monotonic()
+        live.first_token = live.first_token or now
+        live.num_tokens += 1
+        live.text += live.detok.push(token_id)
+        hit = _find_stop(live.text, live.sent, live.stop)
+        if hit is not None:
+            live.text = live.text[:hit]
+            self.scheduler.finish(request_id, FinishReason.STOP)
+            return self._final(request_id, FinishReason.STOP, (token_id,))
+        if finished is not None:
+            live.text += live.detok.flush()
+            return self._final(request_id, finished, (token_id,))
+        end = len(live.text) - _held_back(live.text, live.stop)
+        piece, live.sent = live.text[live.sent : end], max(live.sent, end)
+        return GenerationEvent(request_id, (token_id,), piece)
+
+    def _final(self, request_id: str, reason: FinishReason, token_ids: tuple[int, ...]) -> GenerationEvent:
+        live = self._live.pop(request_id)
+        now = time.monotonic()
+        first = live.first_token or now
+        timings = Timings(queue_s=(live.started or now) - live.arrival, ttft_s=first - live.arrival,
+                          tpot_s=(now - first) / max(1, live.num_tokens - 1))
+        return GenerationEvent(request_id, token_ids, live.text[live.sent :], reason, live.prompt_tokens,
+                               live.num_tokens, timings)
+
+    # ---- whole requests -------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence, sampling: SamplingParams = SamplingParams(),
+                 stopping: StoppingOptions = StoppingOptions()) -> list[Completion]:
+        """Run a batch to completion; results in the order of `prompts`."""
+        ids = [self.submit(p, sampling, stopping) for p in prompts]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        done: dict[str, GenerationEvent] = {}
+        while len(done) < len(ids):
+            for event in self.step():
+                tokens[event.request_id].extend(event.token_ids)
+                texts[event.request_id].append(event.text)
+                if event.finished is not None:
+                    done[event.request_id] = event
+        return [Completion(rid, tuple(tokens[rid]), "".join(texts[rid]), done[rid].finished,
+                           done[rid].prompt_tokens, done[rid].timings) for rid in ids]
+
+    def stream(self, prompt, sampling: SamplingParams = SamplingParams(),
+               stopping: StoppingOptions = StoppingOptions()) -> Iterator[GenerationEvent]:
+        """One request's events as they are produced (other submitted requests advance too)."""
+        request_id = self.submit(prompt, sampling, stopping)
+        try:
+            while True:
+                for event in self.step():
+                    if event.request_id == request_id:
+                        yield event
+                        if event.finished is not None:
+                            return
+        finally:
+            if request_id in self._live:
+                self.abort(request_id)
+
+
+def _find_stop(text: str, sent: int, stops: tuple[str, ...]) -> int | None:
+    """Earliest index where a stop string starts in the unsent text (and the held-back tail before it)."""
+    if not stops:
+        return None
+    start = max(0, sent - max(map(len, stops)) + 1)
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that could still grow into a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def _powers_of_two(limit: int) -> tuple[int, ...]:
+    sizes = [1 << i for i in range(limit.bit_length()) if (1 << i) < limit]
+    return tuple(sizes + [limit])
+
+
+def _tokenizer_for(source: WeightSource) -> Tokenizer:
+    if isinstance(source, GGUFSource):
+        return Tokenizer.from_gguf(source.path, reader=source.reader)
+    return Tokenizer.from_hf_dir(Path(source.path))
