@@ -114,6 +114,7 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self._cancelled: list[str] = []  # aborted requests whose CANCELLED event is not yet returned
+        self._backlog: list[GenerationEvent] = []  # events `generate`/`stream` saw for requests they don't own
         self._seed_source = random.Random()
 
     # ---- requests in ----------------------------------------------------------------------------------------------
@@ -163,14 +164,14 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._cancelled)
+        return self.scheduler.has_work() or bool(self._cancelled) or bool(self._backlog)
 
     # ---- steps ----------------------------------------------------------------------------------------------------
 
     def step(self) -> list[GenerationEvent]:
         """Run one engine step; return the events it produced (cancellations first)."""
-        events = [self._final(rid, FinishReason.CANCELLED, ()) for rid in self._cancelled]
-        self._cancelled.clear()
+        events = self._backlog + [self._final(rid, FinishReason.CANCELLED, ()) for rid in self._cancelled]
+        self._backlog, self._cancelled = [], []
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return events
@@ -236,7 +237,7 @@ class Engine:
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
         done: dict[str, GenerationEvent] = {}
         while len(done) < len(ids):
-            for event in self.step():
+            for event in self._own_events(tokens):
                 tokens[event.request_id].extend(event.token_ids)
                 texts[event.request_id].append(event.text)
                 if event.finished is not None:
@@ -244,17 +245,23 @@ class Engine:
         return [Completion(rid, tuple(tokens[rid]), "".join(texts[rid]), done[rid].finished,
                            done[rid].prompt_tokens, done[rid].timings) for rid in ids]
 
+    def _own_events(self, owned) -> list[GenerationEvent]:
+        """One step's events for `owned` requests; the others wait in the backlog for the next `step()` caller."""
+        mine = []
+        for event in self.step():
+            (mine if event.request_id in owned else self._backlog).append(event)
+        return mine
+
     def stream(self, prompt, sampling: SamplingParams = SamplingParams(),
                stopping: StoppingOptions = StoppingOptions()) -> Iterator[GenerationEvent]:
         """One request's events as they are produced (other submitted requests advance too)."""
         request_id = self.submit(prompt, sampling, stopping)
         try:
             while True:
-                for event in self.step():
-                    if event.request_id == request_id:
-                        yield event
-                        if event.finished is not None:
-                            return
+                for event in self._own_events((request_id,)):
+                    yield event
+                    if event.finished is not None:
+                        return
         finally:
             if request_id in self._live:
                 self.abort(request_id)

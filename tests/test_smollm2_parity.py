@@ -79,9 +79,14 @@ def transformers_greedy(prompt_ids: list[list[int]]):
     return outputs, torch.stack(logits_all)  # (S, steps, V)
 
 
-def test_smollm2_greedy_matches_transformers(prompt_ids):
+@pytest.fixture(scope="module")
+def reference(prompt_ids):
+    return transformers_greedy(prompt_ids)
+
+
+def test_smollm2_greedy_matches_transformers(prompt_ids, reference):
     ours, our_logits = slabserve_greedy(prompt_ids)
-    ref, ref_logits = transformers_greedy(prompt_ids)
+    ref, ref_logits = reference
     for p, a, b in zip(PROMPTS, ours, ref):
         assert a == b, f"prompt {p!r}: token ids differ at {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)}"
     first_step = (our_logits[:, 0] - ref_logits[:, 0]).abs().max().item()
@@ -90,3 +95,21 @@ def test_smollm2_greedy_matches_transformers(prompt_ids):
           f"{first_step:.3g}, over all steps {every_step:.3g}")
     assert first_step < 1e-3, f"last-position logits after prefill differ by {first_step:.3g}"
     assert every_step < 1e-3, f"logits differ by up to {every_step:.3g} over {NEW_TOKENS} steps"
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "16-together"])
+def test_engine_greedy_matches_transformers(prompt_ids, reference, batched):
+    from runtime.engine import Engine, EngineConfig, StoppingOptions
+    from runtime.slab_allocator import SlabClass
+
+    ref, _ = reference
+    engine = Engine(EngineConfig(str(smollm2_path()), (SlabClass(256, 16),), max_seqs=16, step_tokens=256))
+    stopping = StoppingOptions(max_tokens=NEW_TOKENS, ignore_eos=True)
+    if batched:  # 16 requests in flight at once: the five prompts, repeated
+        prompts = [prompt_ids[i % len(prompt_ids)] for i in range(16)]
+        outputs = [c.token_ids for c in engine.generate(prompts, stopping=stopping)]
+    else:
+        outputs = [engine.generate([ids], stopping=stopping)[0].token_ids for ids in prompt_ids]
+    for i, got in enumerate(outputs):
+        assert list(got) == ref[i % len(ref)], f"request {i} ({PROMPTS[i % len(PROMPTS)]!r}) differs"
+    assert engine.scheduler.load().free_per_class == (16,)

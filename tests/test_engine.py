@@ -1,0 +1,107 @@
+"""Engine behaviour on a tiny random model: stop strings, seeds, aborts, errors, and every slab coming back."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from _models import smollm2_path
+from runtime.engine import Engine, EngineConfig, StoppingOptions, _find_stop, _held_back
+from runtime.sampler import SamplingParams
+from runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError
+from runtime.slab_allocator import SlabClass
+
+CLASSES = (SlabClass(128, 6), SlabClass(512, 2))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(str(smollm2_path()), CLASSES, max_seqs=8, step_tokens=64))
+
+
+def _all_free(engine):
+    load = engine.scheduler.load()
+    return load.free_per_class == load.total_per_class and load.running == 0 and sum(load.queued_per_class) == 0
+
+
+def test_same_seed_same_tokens_whatever_the_batch(engine):
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    stopping = StoppingOptions(max_tokens=24, ignore_eos=True)
+    alone = engine.generate(["Once upon a time"], sampling, stopping)[0].token_ids
+    others = SamplingParams(temperature=1.0, seed=7)
+    engine.submit("Unrelated prompt one", others, stopping)
+    engine.submit("Another unrelated prompt", others, stopping)
+    together = engine.generate(["Once upon a time"], sampling, stopping)[0].token_ids
+    while engine.has_work():
+        engine.step()
+    assert alone == together
+    assert engine.generate(["Once upon a time"], SamplingParams(temperature=0.9, top_p=0.95, seed=99),
+                           stopping)[0].token_ids != alone
+    assert _all_free(engine)
+
+
+def test_stop_string_ends_output_before_it(engine):
+    greedy = engine.generate(["List the numbers: 1, 2, 3,"], stopping=StoppingOptions(max_tokens=20,
+                                                                                       ignore_eos=True))[0]
+    assert len(greedy.text) > 4
+    stop = greedy.text[3:5]  # two characters from inside the greedy answer
+    got = engine.generate(["List the numbers: 1, 2, 3,"], stopping=StoppingOptions(max_tokens=20, stop=(stop,),
+                                                                                    ignore_eos=True))[0]
+    assert got.finish_reason == FinishReason.STOP
+    assert got.text == greedy.text[: greedy.text.find(stop)]
+    assert _all_free(engine)
+
+
+def test_stream_pieces_join_to_the_text(engine):
+    pieces = list(engine.stream("The weather today", stopping=StoppingOptions(max_tokens=16, ignore_eos=True)))
+    assert pieces[-1].finished == FinishReason.LENGTH and pieces[-1].completion_tokens == 16
+    joined = "".join(p.text for p in pieces)
+    ids = [t for p in pieces for t in p.token_ids]
+    assert joined == engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_random_requests_with_aborts_leave_every_slab_free(engine):
+    rng = random.Random(0)
+    live = set()
+    for i in range(60):
+        rid = engine.submit([rng.randrange(1, 4000) for _ in range(rng.randrange(1, 300))],
+                            SamplingParams(temperature=1.0, seed=i),
+                            StoppingOptions(max_tokens=rng.randrange(1, 12)))
+        live.add(rid)
+        if rng.random() < 0.3:
+            for event in engine.step():
+                if event.finished:
+                    live.discard(event.request_id)
+        if live and rng.random() < 0.33:
+            victim = rng.choice(sorted(live))
+            engine.abort(victim)
+        while engine.scheduler.load().running >= 8 or sum(engine.scheduler.load().queued_per_class) > 4:
+            for event in engine.step():
+                if event.finished:
+                    live.discard(event.request_id)
+    while engine.has_work():
+        for event in engine.step():
+            if event.finished:
+                live.discard(event.request_id)
+    assert not live and _all_free(engine)
+
+
+def test_bad_requests_are_refused_with_the_field(engine):
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        engine.submit("hi", SamplingParams(temperature=-1.0))
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        engine.submit("hi", SamplingParams(top_p=0.0))
+    with pytest.raises(InvalidRequestError, match="token_ids"):
+        engine.submit([1, 2, 10**6])
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        engine.submit("")
+    with pytest.raises(OutOfRangeError, match="512"):
+        engine.submit("hi", stopping=StoppingOptions(max_tokens=600))
+    assert _all_free(engine)
+
+
+def test_stop_matching_helpers():
+    assert _find_stop("abc STOP def", 0, ("STOP",)) == 4
+    assert _find_stop("abcST", 3, ("STOP",)) is None
+    assert _held_back("abcST", ("STOP",)) == 2
+    assert _held_back("abc", ("STOP", "xyz")) == 0
