@@ -151,7 +151,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> Tensor:
 
 
 def rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
-    """q (T, H, D), k (T, Hkv, D) rotated in place at positions (T,), table cos_sin (P, D) fp32."""
+    """q (T, H, D), k (T, Hkv, D) rotated in place (neox rotate_half) at positions (T,) int64.
+
+    cos_sin (P, D) float32: cos_sin[p, :D/2] = cos(p * inv_freq), cos_sin[p, D/2:] = sin(p * inv_freq).
+    """
     torch.ops.slabserve.rope(q, k, positions, cos_sin)
 
 

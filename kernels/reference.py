@@ -38,7 +38,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.T
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """Rotate q and k in place, neox "rotate_half" style, at the given positions."""
+    """Rotate q and k in place, neox "rotate_half" style, at the given positions.
+
+    For d < D/2 with x1 = x[..., d], x2 = x[..., d + D/2]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, where
+    cos_sin (P, D) float32 holds cos(p * inv_freq) in its first D/2 columns and sin(p * inv_freq) in the rest.
+    """
     check_rope(q, k, positions, cos_sin)
     half = q.shape[2] // 2
     table = cos_sin.index_select(0, positions)  # (T, D) fp32
