@@ -1,0 +1,297 @@
+"""build-plan's pipeline: a serving spec in, a verified `runtime.plan.Plan` out (DESIGN.md, "Data flow").
+
+Contract: `build_plan(spec, base_dir)` decides every byte the server will use and returns a `Built` (the plan and
+the traced graph of one bucket for the ONNX export), or raises `BuildError` (a model that cannot be read) or
+`compiler.fit.FitError` (the plan does not fit its target; the message lists consumers and fixes). The same
+inputs give the same plan: nothing here reads the clock, the host or the environment, and the device fingerprint
+is the target's, not the build machine's.
+
+Phases:
+  1) the model: its config (and, with `weights: load`, the weight files' content hash), never the tensor data;
+  2) the weight arena: the packed compute layout (runtime.model.pack_weights) computed on meta tensors;
+  3) the activation arena: the step traced at every bucket on meta weights, lifetimes planned best-fit into one
+     arena shared by all buckets (compiler.memplan), verified;
+  4) staging buffers (step inputs per bucket, the sampler's (S, V) buffers);
+  5) the KV arena: slab classes planned under what the target has left (compiler.slabs), verified;
+  6) totals against the target; a plan that does not fit raises FitError with suggestions.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from compiler import fit
+from compiler.memplan import DEFAULT_ALIGNMENT, TensorSpec, plan_shared
+from compiler.slabs import SlabPlan, SlabPlanError, kv_bytes_per_token, plan_kv
+from compiler.spec import DTYPES, ResolvedModel, Spec, resolve_model, spec_to_dict
+from compiler.tracing import TracedBucket, trace_buckets
+from compiler.units import round_up
+from runtime import plan as P
+from runtime.config import ModelConfig, ModelLoadError
+from runtime.loader import open_config, open_model
+from runtime.model import pack_weights
+
+WEIGHT_ALIGNMENT = 256  # bytes: every weight starts on a boundary any vector load or TMA descriptor accepts
+QUEUE_LIMIT = 64  # waiting requests per slab class (runtime.engine.EngineConfig's default)
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class BuildError(ValueError):
+    """The model cannot be read or planned; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    plan: P.Plan
+    onnx_bucket: TracedBucket  # the traced step the bundle exports to ONNX
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInputs:
+    resolved: ResolvedModel
+    config: ModelConfig
+    weights_hash: str | None
+
+
+def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
+    base = Path.cwd() if base_dir is None else Path(base_dir)
+    # 1) the model
+    model = load_model(spec, base)
+    config = model.config
+    rope_positions = spec.max_context
+    # 2) weights
+    weights = weight_arena(config, spec.dtype, rope_positions)
+    # 3) activations, traced on meta weights at every bucket (the KV rows are not known yet: see compiler.tracing)
+    dtype = TORCH_DTYPES[spec.dtype]
+    sizing = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=spec.max_context,
+                           rope_positions=rope_positions)
+    # 4) staging
+    staging = staging_buffers(spec, config)
+    # 5) KV slabs under what is left
+    slabs = plan_slabs_for(spec, config, weights.arena_bytes, shared_arena_bytes(sizing), staging.total_bytes)
+    kv = kv_arena(config, spec.kv_dtype, slabs)
+    traced = sizing if kv.rows == spec.max_context else trace_buckets(
+        config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows, rope_positions=rope_positions)
+    _check_same_activations(sizing, traced)
+    activations = activation_arena(traced)
+    # 6) totals
+    totals = _totals(spec, weights.arena_bytes, kv.arena_bytes, activations.arena_bytes, staging.total_bytes)
+    if not totals.fits:
+        raise fit.FitError(fit.report(spec, totals, slabs))
+    plan = P.Plan(
+        schema=P.SCHEMA, version=P.SCHEMA_VERSION, name=spec.name, servable=spec.servable,
+        spec=spec_to_dict(spec), fingerprints=fingerprints(spec, config, model.weights_hash),
+        engine=engine_section(spec, model.resolved, base, rope_positions), model=model_summary(config),
+        target=P.TargetSection(spec.target.device, spec.target.gpu, spec.target.memory_bytes,
+                               spec.target.reserve_bytes),
+        weights=weights, kv=kv, activations=activations, staging=staging, totals=totals,
+        capacity=capacity(slabs))
+    P.check_plan(plan)
+    return Built(plan=plan, onnx_bucket=traced[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1) The model
+
+
+def load_model(spec: Spec, base: Path) -> ModelInputs:
+    resolved = resolve_model(spec.model, base_dir=base, source=spec.source)
+    try:
+        if not spec.model.servable:
+            return ModelInputs(resolved, open_config(resolved.config or resolved.path).config, None)
+        if resolved.kind == "hf" and resolved.config is not None and resolved.path != resolved.config.parent:
+            raise BuildError(f"{spec.source}: model.path names a config.json; with weights: load, name the model "
+                             f"folder, or set model.weights: none to plan from the config alone")
+        source = open_model(resolved.path)
+        source.check_shapes()
+        return ModelInputs(resolved, source.config, source.content_hash())
+    except ModelLoadError as err:
+        raise BuildError(f"{spec.source}: the model cannot be read: {err}") from None
+
+
+def fingerprints(spec: Spec, config: ModelConfig, weights_hash: str | None) -> P.Fingerprints:
+    return P.Fingerprints(
+        model_config=config_fingerprint(config), weights=weights_hash, torch=torch.__version__,
+        triton=_version("triton"), device=spec.target.gpu or spec.target.device)
+
+
+def config_fingerprint(config: ModelConfig) -> str:
+    """sha256 of the config as canonical msgpack (sorted keys; tuples as lists)."""
+    data = msgpack.packb(_sorted(asdict(config)), use_bin_type=True)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [_sorted(v) for v in value]
+    return value
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def model_summary(c: ModelConfig) -> P.ModelSummary:
+    return P.ModelSummary(
+        arch=c.arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        num_parameters=c.num_parameters(), context_limit=c.context_limit)
+
+
+def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positions: int) -> P.EngineSection:
+    path = resolved.path if spec.model.servable else (resolved.config or resolved.path)
+    try:
+        shown = str(Path(path).resolve().relative_to(base.resolve()))
+    except ValueError:
+        shown = str(Path(path).resolve())
+    return P.EngineSection(
+        model_path=shown, model_format=resolved.kind if spec.model.servable else "config",
+        model_package=spec.model.package, model_file=spec.model.file, dtype=spec.dtype, kv_dtype=spec.kv_dtype,
+        device=spec.target.device, max_seqs=spec.max_seqs, step_tokens=spec.step_tokens, buckets=spec.buckets,
+        queue_limit=QUEUE_LIMIT, rope_positions=rope_positions)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2) Weights
+
+
+class _MetaSource:
+    """HF-named tensors of the config's shapes on the meta device: pack_weights runs without any data."""
+
+    def __init__(self, config: ModelConfig):
+        self.shapes = config.weight_shapes()
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(self.shapes[name], dtype=dtype, device="meta")
+
+
+def weight_arena(config: ModelConfig, dtype: str, rope_positions: int) -> P.WeightArena:
+    """The packed layout, in pack order, then the (P, D) float32 rope table, each aligned to WEIGHT_ALIGNMENT."""
+    packed = pack_weights(config, _MetaSource(config), TORCH_DTYPES[dtype])
+    items = [(name, tuple(t.shape), dtype) for name, t in packed.items()]
+    items.append(("rope_cos_sin", (rope_positions, config.head_dim), "float32"))
+    entries, offset = [], 0
+    for name, shape, dt in items:
+        nbytes = math.prod(shape) * P.DTYPE_SIZES[dt]
+        entries.append(P.WeightEntry(name=name, shape=shape, dtype=dt, offset=offset, nbytes=nbytes))
+        offset = round_up(offset + nbytes, WEIGHT_ALIGNMENT)
+    parameter_bytes = sum(e.nbytes for e in entries if e.name != "rope_cos_sin")
+    return P.WeightArena(alignment=WEIGHT_ALIGNMENT, arena_bytes=offset, parameter_bytes=parameter_bytes,
+                         entries=tuple(entries))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3) Activations
+
+
+def activation_arena(traced: list[TracedBucket]) -> P.ActivationArena:
+    graphs = {_graph_key(b.tokens): [TensorSpec(t.name, t.nbytes, t.first_use, t.last_use) for t in b.tensors]
+              for b in traced}
+    shared = plan_shared(graphs, DEFAULT_ALIGNMENT)  # verified inside
+    buckets = []
+    for b in traced:
+        placement = shared.placements[_graph_key(b.tokens)]
+        tensors = tuple(P.ActivationEntry(name=t.name, offset=placement.offsets[t.name], nbytes=t.nbytes,
+                                          shape=t.shape, dtype=t.dtype, first_use=t.first_use, last_use=t.last_use)
+                        for t in sorted(b.tensors, key=lambda t: t.name))
+        buckets.append(P.BucketLayout(tokens=b.tokens, graph_fingerprint=b.fingerprint,
+                                      arena_bytes=placement.arena_size, naive_bytes=placement.naive_size,
+                                      tensors=tensors))
+    return P.ActivationArena(alignment=DEFAULT_ALIGNMENT, arena_bytes=shared.arena_size,
+                             naive_bytes=shared.naive_size, buckets=tuple(buckets))
+
+
+def _graph_key(tokens: int) -> str:
+    return f"T{tokens:08d}"
+
+
+def shared_arena_bytes(traced: list[TracedBucket]) -> int:
+    return activation_arena(traced).arena_bytes
+
+
+def _check_same_activations(sizing: list[TracedBucket], traced: list[TracedBucket]) -> None:
+    for a, b in zip(sizing, traced):
+        if a.tensors != b.tensors:
+            raise BuildError(f"bucket {a.tokens}: the step's intermediates changed with the KV rows "
+                             f"({a.kv_rows} -> {b.kv_rows}); the activation plan would not hold")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4) Staging
+
+
+def staging_buffers(spec: Spec, config: ModelConfig) -> P.Staging:
+    """Bytes of runtime.step.StepInputs for every bucket and of runtime.sampler.Sampler, as those classes make
+    them: per bucket 3 (T,) int64 + (S+1,) int32 + 2 (S,) int64 + (S,) int32; the sampler's (S, V) buffers are
+    three float32, one int64 and two bool, plus an int64 arange of V and per-row scalars."""
+    s, v = spec.max_seqs, config.vocab_size
+    step_inputs = sum(24 * t + 4 * (s + 1) + 16 * s + 4 * s for t in spec.buckets)
+    sampler = s * v * (3 * 4 + 8 + 2 * 1) + 8 * v + s * (4 + 4 + 8 + 4 + 4 + 4 + 8 + 8 + 8)
+    return P.Staging(step_inputs_bytes=step_inputs, sampler_bytes=sampler, total_bytes=step_inputs + sampler)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5) KV
+
+
+def plan_slabs_for(spec: Spec, config: ModelConfig, weights: int, activations: int, staging: int) -> SlabPlan:
+    """Slab classes in what the target has left after the other arenas (or in kv.budget when the spec sets it)."""
+    bytes_per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
+                                         DTYPES[spec.kv_dtype])
+    left = spec.target.usable_bytes - weights - activations - staging
+    try:
+        return plan_kv(spec.kv, max_context=spec.max_context, max_seqs=spec.max_seqs,
+                       kv_bytes_per_token=bytes_per_token, default_budget_bytes=max(left, 0))
+    except SlabPlanError as err:
+        raise fit.FitError(fit.report_without_kv(spec, weights, activations, staging, bytes_per_token,
+                                                 str(err))) from None
+
+
+def kv_arena(config: ModelConfig, kv_dtype: str, slabs: SlabPlan) -> P.KVArena:
+    rows = slabs.arena_tokens
+    one = config.num_layers * rows * config.num_kv_heads * config.head_dim * DTYPES[kv_dtype]  # (L, N, Hkv, D)
+    classes, row = [], 0
+    for c in slabs.classes:
+        classes.append(P.SlabEntry(tokens=c.tokens, count=c.count, row_offset=row, share=round(c.share, 9)))
+        row += c.tokens * c.count
+    return P.KVArena(num_layers=config.num_layers, rows=rows, num_kv_heads=config.num_kv_heads,
+                     head_dim=config.head_dim, dtype=kv_dtype, bytes_per_token=slabs.kv_bytes_per_token,
+                     k_bytes=one, v_bytes=one, arena_bytes=2 * one, classes=tuple(classes))
+
+
+def capacity(slabs: SlabPlan) -> P.Capacity:
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 9)
+
+    return P.Capacity(
+        kv_budget_bytes=slabs.budget_bytes, concurrency=slabs.concurrency,
+        max_request_tokens=slabs.max_request_tokens, utilization=r(slabs.utilization),
+        internal_waste=r(slabs.internal_waste), internal_waste_bytes=slabs.internal_waste_bytes,
+        unservable_share=r(slabs.unservable_share),
+        baselines=tuple(P.Baseline(name=b.name, unit_tokens=b.unit_tokens, units=b.units, arena_bytes=b.arena_bytes,
+                                   concurrency=b.concurrency, utilization=round(b.utilization, 9))
+                        for b in slabs.baselines))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6) Totals
+
+
+def _totals(spec: Spec, weights: int, kv: int, activations: int, staging: int) -> P.Totals:
+    planned = weights + kv + activations + staging
+    headroom = spec.target.memory_bytes - spec.target.reserve_bytes - planned
+    return P.Totals(weights_bytes=weights, kv_bytes=kv, activations_bytes=activations, staging_bytes=staging,
+                    reserve_bytes=spec.target.reserve_bytes, planned_bytes=planned,
+                    target_bytes=spec.target.memory_bytes, headroom_bytes=headroom, fits=headroom >= 0)

@@ -1,0 +1,58 @@
+"""The step traced at every bucket, as the planners see it: intermediates with lifetimes, and a graph fingerprint.
+
+Contract: `trace_buckets(config, dtype, buckets, max_seqs, kv_rows, rope_positions)` exports the runtime's step
+(runtime.trace) once per bucket on a step whose weights live on the `meta` device, so no weight is read and no
+memory is used whatever the target: a CPU-only machine traces an 8B model for an H100. The graph does not depend
+on the device (the `slabserve::` ops are single nodes on every backend, and runtime.trace's fingerprint leaves
+devices out), so a meta trace is the graph the server traces at start-up with real weights.
+
+The activations do not depend on `kv_rows` (the KV caches are graph inputs); the fingerprint does, through the
+caches' shapes. The compiler therefore traces once to size the activation arena, plans the KV slabs in what is
+left, and traces again at the planned rows for the fingerprints, checking the activations came out the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from runtime.config import ModelConfig
+from runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
+
+
+@dataclass(frozen=True, slots=True)
+class Intermediate:
+    name: str  # node name, the executor's key
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "int64", ...
+    nbytes: int  # bytes its traced strides span
+    first_use: int
+    last_use: int
+
+
+@dataclass(frozen=True, slots=True)
+class TracedBucket:
+    tokens: int
+    tensors: tuple[Intermediate, ...]  # graph order
+    fingerprint: str
+    program: Any  # the torch.export ExportedProgram (for the ONNX export); not part of equality
+    kv_rows: int
+
+
+def trace_buckets(config: ModelConfig, dtype: torch.dtype, buckets: Sequence[int], max_seqs: int, *,
+                  kv_rows: int, rope_positions: int) -> list[TracedBucket]:
+    step = meta_step(config, dtype, rope_positions)
+    return [trace_bucket(step, tokens, max_seqs, kv_rows) for tokens in buckets]
+
+
+def trace_bucket(step, tokens: int, max_seqs: int, kv_rows: int) -> TracedBucket:
+    program = export_step(step, tokens, max_seqs, kv_rows, device="meta")
+    tensors = tuple(Intermediate(name=t.name, shape=tuple(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
+                                 first_use=t.first_use, last_use=t.last_use) for t in activation_tensors(program))
+    return TracedBucket(tokens=tokens, tensors=tensors, fingerprint=graph_fingerprint(program), program=program,
+                        kv_rows=kv_rows)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
