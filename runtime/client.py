@@ -1,0 +1,133 @@
+"""`slabserve generate`: stream one answer from a slabserve server; and `health`: wait until a server is SERVING.
+
+Contract: `main(argv)` writes the generated text to stdout as it arrives (flushed per event) and the finish reason,
+usage and timings to stderr; a gRPC error prints its status code and message to stderr and exits 1. argv may start
+with the subcommand ("generate", the default, or "health").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.slabserve.v1 import serving_pb2 as pb
+from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+
+_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CANCELLED: "cancelled"}
+
+
+def build_request(text: str, chat: bool, max_tokens: int | None, temperature: float | None,
+                  seed: int | None = None) -> pb.GenerateRequest:
+    request = pb.GenerateRequest()
+    if chat:
+        request.messages.messages.add(role="user", content=text)
+    else:
+        request.prompt = text
+    if max_tokens is not None:
+        request.stopping.max_tokens = max_tokens
+    if temperature is not None:
+        request.sampling.temperature = temperature
+    if seed is not None:
+        request.sampling.seed = seed
+    return request
+
+
+def generate(args: argparse.Namespace) -> int:
+    request = build_request(args.text, args.chat, args.max_tokens, args.temperature, args.seed)
+    with grpc.insecure_channel(args.addr) as channel:
+        stub = pb_grpc.SlabServeStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout):
+                if response.HasField("token"):
+                    sys.stdout.write(response.token.text)
+                    sys.stdout.flush()
+                else:
+                    _finish(response.finished)
+        except grpc.RpcError as exc:
+            sys.stdout.write("\n")
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _finish(finished: pb.GenerationFinished) -> None:
+    sys.stdout.write(finished.text + "\n")
+    sys.stdout.flush()
+    t, u = finished.timings, finished.usage
+    print(f"[finish: {_REASONS.get(finished.reason, finished.reason)}; prompt {u.prompt_tokens} tokens, "
+          f"completion {u.completion_tokens} tokens; queue {t.queue_seconds * 1000:.0f} ms, "
+          f"time to first token {t.time_to_first_token_seconds * 1000:.0f} ms, "
+          f"{t.time_per_output_token_seconds * 1000:.1f} ms per token after it]", file=sys.stderr)
+
+
+def serving_status(addr: str, timeout: float = 1.0) -> str:
+    """The server's overall health status name (SERVING, NOT_SERVING, ...), or UNREACHABLE."""
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=timeout)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def wait_serving(args: argparse.Namespace) -> int:
+    deadline = time.monotonic() + args.wait
+    status = "UNREACHABLE"
+    while True:
+        status = serving_status(args.addr)
+        if status == "SERVING":
+            print(f"{args.addr}: SERVING", file=sys.stderr)
+            return 0
+        if args.pid is not None and not _alive(args.pid):
+            print(f"{args.addr}: the server process {args.pid} exited before it was SERVING", file=sys.stderr)
+            return 1
+        if time.monotonic() >= deadline:
+            print(f"{args.addr}: not SERVING after {args.wait:g} s (last health: {status})", file=sys.stderr)
+            return 1
+        time.sleep(0.25)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slabserve", description="Talk to a slabserve server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream an answer to stdout; usage and timings to stderr")
+    gen.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT of the server")
+    gen.add_argument("--chat", action="store_true", help="send the text as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: the server's)")
+    gen.add_argument("--temperature", type=float, help="0 (the default) is greedy")
+    gen.add_argument("--seed", type=int, help="seed for sampling")
+    gen.add_argument("--timeout", type=float, default=600.0, help="deadline of the call, in seconds")
+    gen.add_argument("text", help="the prompt, or the user message with --chat")
+    hl = sub.add_parser("health", help="wait until the server's health is SERVING (exit 1 on timeout)")
+    hl.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT of the server")
+    hl.add_argument("--wait", type=float, default=0.0, help="seconds to keep trying (0: check once)")
+    hl.add_argument("--pid", type=int, help="stop waiting early if this process (the server) exits")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("generate", "health", "-h", "--help"):
+        argv = ["generate", *argv]
+    args = _parser().parse_args(argv)
+    return generate(args) if args.command == "generate" else wait_serving(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

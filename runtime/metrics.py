@@ -1,0 +1,89 @@
+"""Prometheus metrics of one server, in their own registry (no process-global collectors).
+
+Contract: the engine thread calls `observe_load` after every step and `observe_finished` for every final event;
+the gRPC edge calls `count_request` once per call it answers. `serve(host, port)` exposes the registry over HTTP
+and returns a function that stops it. Names and labels:
+
+    slabserve_requests_queued{slab_class}          requests waiting for a slab, per home class
+    slabserve_requests_running                     requests holding a slab
+    slabserve_free_slabs{slab_class}               free slabs per class (slab_class = "<index>:<tokens>")
+    slabserve_kv_utilization                       share of the KV arena's rows in slabs held by requests, 0..1
+    slabserve_time_to_first_token_seconds          histogram, arrival -> first token
+    slabserve_time_per_output_token_seconds        histogram, mean per token after the first, per request
+    slabserve_queue_seconds                        histogram, arrival -> first step
+    slabserve_generated_tokens_total               tokens sampled for requests
+    slabserve_requests_total{code, finish_reason}  answered Generate calls by status code and finish reason
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from runtime.slab_allocator import SlabClass
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self, classes: Sequence[SlabClass]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._labels = tuple(f"{i}:{c.tokens}" for i, c in enumerate(classes))
+        self._class_rows = tuple(c.tokens for c in classes)
+        self._total_rows = sum(c.tokens * c.count for c in classes)
+        self.queued = Gauge("slabserve_requests_queued", "Requests waiting for a slab, per home slab class",
+                            ["slab_class"], registry=r)
+        self.running = Gauge("slabserve_requests_running", "Requests holding a KV slab", registry=r)
+        self.free_slabs = Gauge("slabserve_free_slabs", "Free KV slabs per class", ["slab_class"], registry=r)
+        self.kv_utilization = Gauge("slabserve_kv_utilization",
+                                    "Share of the KV arena's rows in slabs held by requests (0..1)", registry=r)
+        self.ttft = Histogram("slabserve_time_to_first_token_seconds", "Arrival to first output token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("slabserve_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request", buckets=_TPOT_BUCKETS,
+                              registry=r)
+        self.queue_time = Histogram("slabserve_queue_seconds", "Arrival to the first engine step of the request",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("slabserve_generated_tokens", "Tokens sampled for requests", registry=r)
+        self.requests = Counter("slabserve_requests", "Answered Generate calls", ["code", "finish_reason"],
+                                registry=r)
+        for label in self._labels:  # every class appears from the first scrape, not after its first request
+            self.queued.labels(label).set(0)
+            self.free_slabs.labels(label).set(0)
+
+    def observe_load(self, free_per_class: Sequence[int], total_per_class: Sequence[int],
+                     queued_per_class: Sequence[int], running: int) -> None:
+        used_rows = 0
+        for label, rows, free, total, queued in zip(self._labels, self._class_rows, free_per_class,
+                                                    total_per_class, queued_per_class):
+            self.free_slabs.labels(label).set(free)
+            self.queued.labels(label).set(queued)
+            used_rows += (total - free) * rows
+        self.running.set(running)
+        self.kv_utilization.set(used_rows / self._total_rows if self._total_rows else 0.0)
+
+    def observe_tokens(self, count: int) -> None:
+        self.tokens.inc(count)
+
+    def observe_finished(self, queue_s: float, ttft_s: float, tpot_s: float, completion_tokens: int) -> None:
+        self.queue_time.observe(queue_s)
+        if completion_tokens:
+            self.ttft.observe(ttft_s)
+        if completion_tokens > 1:
+            self.tpot.observe(tpot_s)
+
+    def count_request(self, code: str, finish_reason: str) -> None:
+        self.requests.labels(code, finish_reason).inc()
+
+    def serve(self, host: str, port: int) -> Callable[[], None]:
+        """Expose the registry on http://host:port/metrics; returns a function that stops the HTTP server."""
+        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
+
+        def stop() -> None:
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(timeout=5)
+
+        return stop

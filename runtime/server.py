@@ -1,0 +1,650 @@
+"""The gRPC edge: slabserve.v1 (proto/slabserve/v1/serving.proto), grpc.health.v1 and reflection over one Engine.
+
+Contract: `create_server(engine, host, port, ...)` takes a ready `Engine` and returns a `SlabServer`; `start()`
+binds and answers at once with health NOT_SERVING, `warm_up()` runs a request through the engine and turns health
+SERVING, `drain(grace_s)` stops admission (UNAVAILABLE, health NOT_SERVING), lets running streams finish within the
+grace period, cancels what is left and stops. Protobuf is converted to the engine's dataclasses here and nowhere
+else (`_request_from_pb`, `_event_to_pb`), and `_status_for` is the one place exceptions become status codes.
+
+Threads (the Engine is not thread-safe):
+- gRPC worker threads run the handlers: they validate and convert requests, tokenize (the tokenizer is read-only),
+  and reach the engine only through `EngineLoop` commands. A Generate handler then blocks on its own event queue
+  (its *sink*) and yields each event as it arrives.
+- One engine thread (`EngineLoop`) owns the Engine: between steps it runs every queued command (submit, abort,
+  load, ...), then runs one step and puts each event into its request's sink. It sleeps on the command queue when
+  the engine has no work.
+- `main` waits on the main thread for SIGTERM/SIGINT and then drains.
+
+Cancellation: each Generate call registers a gRPC termination callback that posts `abort` to the engine thread.
+It fires when the client cancels or disconnects, when the call's deadline passes, and after normal completion
+(where the abort finds nothing). The abort frees the slab before the next step; the engine's CANCELLED event then
+wakes the handler, which returns. Engine-side ids are the server's own (`s<n>`), never the client's, so a late
+abort can never hit a newer request that reused the client's id.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.slabserve.v1 import serving_pb2 as pb
+from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from runtime.engine import Engine, EngineConfig, GenerationEvent, StoppingOptions
+from runtime.metrics import Metrics
+from runtime.sampler import SamplingParams
+from runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError
+from runtime.slab_allocator import SlabClass
+from runtime.tokenizer import ChatTemplateError
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SlabServe"].full_name   # "slabserve.v1.SlabServe"
+log = logging.getLogger("slabserve.server")
+request_log = logging.getLogger("slabserve.requests")
+
+_FINISH_TO_PB = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+                 FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED}
+_KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one request may carry (documented in serving.proto); beyond them: INVALID_ARGUMENT."""
+
+    max_message_bytes: int = 1 << 20     # gRPC receive/send limit per message (grpc answers RESOURCE_EXHAUSTED)
+    max_request_id_chars: int = 128
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 128
+    max_stop_token_ids: int = 64
+    max_messages: int = 256
+
+
+class Unavailable(Exception):
+    """UNAVAILABLE: warming up or draining."""
+
+
+class EngineFailed(RuntimeError):
+    """INTERNAL: the engine thread hit an error and stopped; the server no longer serves."""
+
+
+# ---- the engine thread ------------------------------------------------------------------------------------------
+
+class EngineLoop:
+    """Owns the Engine on one thread; other threads send it commands. See the module docstring."""
+
+    def __init__(self, engine: Engine, metrics: Metrics | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._on_failure = on_failure
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()   # (fn, Future | None)
+        self._sinks: dict[str, queue.SimpleQueue] = {}            # engine request id -> its handler's events
+        self._stopping = threading.Event()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="slabserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put((lambda: None, None))  # wake it
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run `fn` on the engine thread between steps; return its result or raise its exception."""
+        if self.failure is not None:
+            raise EngineFailed(f"the engine stopped: {self.failure!r}")
+        future: futures.Future = futures.Future()
+        self._commands.put((fn, future))
+        return future.result(timeout)
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the engine thread between steps, without waiting (for gRPC callbacks, which must not block)."""
+        self._commands.put((fn, None))
+
+    def submit(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, stopping: StoppingOptions,
+               engine_id: str) -> queue.SimpleQueue:
+        """Submit on the engine thread; returns the sink its events will arrive in. Raises the engine's errors."""
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+
+        def submit() -> None:
+            self.engine.submit(prompt_ids, sampling, stopping, engine_id)
+            self._sinks[engine_id] = sink
+
+        self.call(submit)
+        return sink
+
+    def abort(self, engine_id: str) -> None:
+        self.post(lambda: self.engine.abort(engine_id))
+
+    def num_streams(self) -> int:
+        return len(self._sinks)  # read without the engine thread: a dict's len is atomic
+
+    def abort_all(self) -> None:
+        """Cancel every request with an open stream (engine thread only: post it)."""
+        for engine_id in list(self._sinks):
+            self.engine.abort(engine_id)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=not self.engine.has_work())
+                if self.engine.has_work():
+                    self._route(self.engine.step())
+                    self.observe_load()
+        except BaseException as exc:  # noqa: BLE001 - the engine thread must report, not vanish
+            self._fail(exc)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - a command's error belongs to its caller
+                if future is not None:
+                    future.set_exception(exc)
+                else:
+                    log.warning(json.dumps({"event": "command_failed", "error": repr(exc)}))
+            else:
+                if future is not None:
+                    future.set_result(result)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _route(self, events: Sequence[GenerationEvent]) -> None:
+        tokens = 0
+        for event in events:
+            tokens += len(event.token_ids)
+            if event.finished is None:
+                sink = self._sinks.get(event.request_id)
+            else:
+                sink = self._sinks.pop(event.request_id, None)
+                if self.metrics is not None and event.timings is not None:
+                    t = event.timings
+                    self.metrics.observe_finished(t.queue_s, t.ttft_s, t.tpot_s, event.completion_tokens)
+            if sink is not None:
+                sink.put(event)
+        if self.metrics is not None and tokens:
+            self.metrics.observe_tokens(tokens)
+
+    def observe_load(self) -> None:
+        if self.metrics is not None:
+            load = self.engine.scheduler.load()
+            self.metrics.observe_load(load.free_per_class, load.total_per_class, load.queued_per_class,
+                                      load.running)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        log.error(json.dumps({"event": "engine_failed", "error": repr(exc)}))
+        for sink in self._sinks.values():
+            sink.put(EngineFailed(f"the engine stopped: {exc!r}"))
+        self._sinks.clear()
+        while True:  # callers waiting on a command must not hang
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future is not None:
+                future.set_exception(EngineFailed(f"the engine stopped: {exc!r}"))
+        if self._on_failure is not None:
+            self._on_failure(exc)
+
+
+# ---- protobuf <-> engine dataclasses (the only place either side sees the other) ------------------------------
+
+def _input_from_pb(message, limits: Limits) -> str | tuple[int, ...] | list[dict[str, str]]:
+    """The `input` oneof of a GenerateRequest or TokenizeRequest -> what `Engine.prompt_ids` takes."""
+    which = message.WhichOneof("input")
+    if which is None:
+        raise InvalidRequestError("input", "set one of prompt, token_ids, messages")
+    if which == "prompt":
+        if not message.prompt:
+            raise InvalidRequestError("prompt", "is empty")
+        return message.prompt
+    if which == "token_ids":
+        if not message.token_ids.ids:
+            raise InvalidRequestError("token_ids", "is empty")
+        return tuple(message.token_ids.ids)
+    messages = message.messages.messages
+    if not messages:
+        raise InvalidRequestError("messages", "is empty; at least one message is needed")
+    if len(messages) > limits.max_messages:
+        raise InvalidRequestError("messages", f"{len(messages)} messages; at most {limits.max_messages}")
+    for i, m in enumerate(messages):
+        if m.role not in _KNOWN_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"{m.role[:40]!r} is not one of "
+                                                             f"{', '.join(sorted(_KNOWN_ROLES))}")
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else 0.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+
+
+def _stopping_from_pb(s: pb.StoppingOptions, limits: Limits, vocab_size: int, num_prompt: int,
+                      max_request_tokens: int) -> StoppingOptions:
+    if s.HasField("max_tokens"):
+        if s.max_tokens < 1:
+            raise InvalidRequestError("stopping.max_tokens", f"must be >= 1, got {s.max_tokens}")
+        max_tokens = s.max_tokens
+    else:  # the default, lowered to what fits beside the prompt (a prompt that leaves no room gets OUT_OF_RANGE)
+        max_tokens = max(1, min(_DEFAULT_MAX_TOKENS, max_request_tokens - num_prompt))
+    if len(s.stop) > limits.max_stop_strings:
+        raise InvalidRequestError("stopping.stop", f"{len(s.stop)} stop strings; at most {limits.max_stop_strings}")
+    for i, stop in enumerate(s.stop):
+        if not 1 <= len(stop) <= limits.max_stop_string_chars:
+            raise InvalidRequestError(f"stopping.stop[{i}]", f"has {len(stop)} characters; 1 to "
+                                                             f"{limits.max_stop_string_chars} allowed")
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError("stopping.stop_token_ids", f"{len(s.stop_token_ids)} ids; at most "
+                                                             f"{limits.max_stop_token_ids}")
+    bad = [t for t in s.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError("stopping.stop_token_ids", f"id {bad[0]} is outside the vocabulary "
+                                                             f"[0, {vocab_size})")
+    return StoppingOptions(max_tokens=max_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+                           ignore_eos=s.ignore_eos)
+
+
+def _event_to_pb(request_id: str, event: GenerationEvent) -> pb.GenerateResponse:
+    if event.finished is None:
+        return pb.GenerateResponse(request_id=request_id,
+                                   token=pb.TokenOutput(token_ids=event.token_ids, text=event.text))
+    t = event.timings
+    timings = pb.Timings(queue_seconds=t.queue_s, time_to_first_token_seconds=t.ttft_s,
+                         time_per_output_token_seconds=t.tpot_s) if t is not None else None
+    return pb.GenerateResponse(request_id=request_id, finished=pb.GenerationFinished(
+        reason=_FINISH_TO_PB[event.finished],
+        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        timings=timings, token_ids=event.token_ids, text=event.text))
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The one map from exceptions to (status code, message, trailing metadata)."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), (("slabserve-field", exc.field),)
+    if isinstance(exc, ChatTemplateError):
+        field = f"messages[{exc.message_index}].role" if exc.message_index is not None else "messages"
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {exc}", (("slabserve-field", field),)
+    if isinstance(exc, OutOfRangeError):
+        return grpc.StatusCode.OUT_OF_RANGE, str(exc), (("slabserve-limit-tokens", str(exc.limit_tokens)),)
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("slabserve-slab-class", str(exc.class_index)),
+                                                              ("retry-after-ms", str(exc.retry_after_ms)))
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc), ()
+    log.error(json.dumps({"event": "internal_error", "error": repr(exc)}))
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ()
+
+
+# ---- the service ------------------------------------------------------------------------------------------------
+
+class SlabServeServicer(pb_grpc.SlabServeServicer):
+    def __init__(self, loop: EngineLoop, limits: Limits, metrics: Metrics | None):
+        self.loop = loop
+        self.engine = loop.engine
+        self.limits = limits
+        self.metrics = metrics
+        self.state = "warming up"          # "warming up" | "serving" | "draining"
+        self._lock = threading.Lock()
+        self._live: dict[str, str] = {}    # client request id -> engine id, while its stream is open
+        self._client_ids = itertools.count()   # ids for requests that came without one
+        self._engine_ids = itertools.count()
+
+    # ---- Generate -------------------------------------------------------------------------------------------------
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        started = time.monotonic()
+        request_id = request.request_id or f"req-{next(self._client_ids)}"
+        # "open" is popped by whoever logs the call first: the handler, or the termination callback on a cancel
+        record: dict[str, Any] = {"event": "request", "request_id": request_id[:128], "peer": context.peer(),
+                                  "open": True}
+        engine_id = None
+        try:
+            self._check_serving()
+            prompt_ids, sampling, stopping = self._convert(request)
+            record["prompt_tokens"] = len(prompt_ids)
+            engine_id = self._claim(request_id)
+            sink = self.loop.submit(prompt_ids, sampling, stopping, engine_id)
+            if not context.add_callback(lambda: self._on_terminated(context, engine_id, record, started)):
+                self._on_terminated(context, engine_id, record, started)  # the call ended before we got here
+            for event in self._events(sink):
+                if event.finished is not None:  # log first: after a cancel, gRPC may never resume us
+                    self._log(record, started, "OK", event)
+                yield _event_to_pb(request_id, event)
+                if event.finished is not None:
+                    return
+        except Exception as exc:  # noqa: BLE001 - every error leaves through _status_for
+            code, message, trailers = _status_for(exc)
+            self._log(record, started, code.name, None, message)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
+        finally:
+            if engine_id is not None:
+                self._release(request_id, engine_id)
+
+    def _convert(self, request: pb.GenerateRequest) -> tuple[tuple[int, ...], SamplingParams, StoppingOptions]:
+        if len(request.request_id) > self.limits.max_request_id_chars:
+            raise InvalidRequestError("request_id", f"has {len(request.request_id)} characters; at most "
+                                                    f"{self.limits.max_request_id_chars}")
+        prompt_ids = self.engine.prompt_ids(_input_from_pb(request, self.limits))
+        sampling = _sampling_from_pb(request.sampling)
+        try:
+            sampling.validate(self.engine.model_config.vocab_size)
+        except ValueError as exc:  # "sampling.top_p = 1.5 is out of range: ..."
+            field, _, detail = str(exc).partition(" = ")
+            raise InvalidRequestError(field, detail) from None
+        stopping = _stopping_from_pb(request.stopping, self.limits, self.engine.model_config.vocab_size,
+                                     len(prompt_ids), self.engine.scheduler.max_request_tokens)
+        return prompt_ids, sampling, stopping
+
+    def _on_terminated(self, context: grpc.ServicerContext, engine_id: str, record: dict, started: float) -> None:
+        """gRPC's termination callback: free the slab at the next step (a no-op after a normal end) and log a cancel."""
+        self.loop.abort(engine_id)
+        if "open" in record:
+            remaining = context.time_remaining()  # None without a deadline
+            expired = remaining is not None and remaining <= 0
+            self._log(record, started, "DEADLINE_EXCEEDED" if expired else "CANCELLED", None)
+
+    def _events(self, sink: queue.SimpleQueue):
+        while True:
+            try:
+                item = sink.get(timeout=1.0)
+            except queue.Empty:
+                if self.loop.failure is not None:
+                    raise EngineFailed(f"the engine stopped: {self.loop.failure!r}") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished is not None:
+                return
+
+    def _claim(self, request_id: str) -> str:
+        with self._lock:
+            if request_id in self._live:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already queued or running")
+            engine_id = f"s{next(self._engine_ids)}"
+            self._live[request_id] = engine_id
+            return engine_id
+
+    def _release(self, request_id: str, engine_id: str) -> None:
+        with self._lock:
+            if self._live.get(request_id) == engine_id:
+                del self._live[request_id]
+
+    def _check_serving(self) -> None:
+        if self.state != "serving":
+            raise Unavailable(f"the server is {self.state}; retry later or on another replica")
+
+    def _log(self, record: dict, started: float, code: str, event: GenerationEvent | None,
+             message: str | None = None) -> None:
+        if record.pop("open", None) is None:  # already logged (dict.pop is atomic)
+            return
+        record["code"] = code
+        record["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
+        reason = event.finished.value if event is not None else ""
+        if event is not None:
+            record.update(finish_reason=reason, completion_tokens=event.completion_tokens)
+            if event.timings is not None:
+                record.update(queue_ms=round(event.timings.queue_s * 1000, 1),
+                              ttft_ms=round(event.timings.ttft_s * 1000, 1),
+                              tpot_ms=round(event.timings.tpot_s * 1000, 2))
+        if message is not None:
+            record["error"] = message[:300]
+        request_log.info(json.dumps(record))
+        if self.metrics is not None:
+            self.metrics.count_request(code, reason)
+
+    # ---- unary calls ----------------------------------------------------------------------------------------------
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            return pb.TokenizeResponse(token_ids=self.engine.prompt_ids(_input_from_pb(request, self.limits)))
+        except Exception as exc:  # noqa: BLE001
+            self._abort(context, exc)
+
+    def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        engine, scheduler = self.engine, self.engine.scheduler
+        classes = scheduler.allocator.classes
+        return pb.GetModelInfoResponse(
+            model_name=engine.model_config.name or Path(engine.config.model).name,
+            plan_id=getattr(engine, "plan_id", "") or "",
+            context_limit=engine.model_config.context_limit,
+            max_request_tokens=scheduler.max_request_tokens,
+            slab_classes=[pb.SlabClass(index=i, tokens=c.tokens, count=c.count) for i, c in enumerate(classes)],
+            vocab_size=engine.model_config.vocab_size, max_running=scheduler.max_seqs,
+            step_tokens=scheduler.step_tokens, queue_limit=scheduler.queue_limit,
+            has_chat_template=engine.tokenizer.chat_template is not None)
+
+    def GetLoad(self, request, context) -> pb.GetLoadResponse:
+        try:
+            load = self.loop.call(self.engine.scheduler.load, timeout=30)
+        except Exception as exc:  # noqa: BLE001
+            self._abort(context, exc)
+        classes = self.engine.scheduler.allocator.classes
+        return pb.GetLoadResponse(
+            classes=[pb.ClassLoad(index=i, tokens=c.tokens, free_slabs=f, total_slabs=t, queued=q)
+                     for i, (c, f, t, q) in enumerate(zip(classes, load.free_per_class, load.total_per_class,
+                                                          load.queued_per_class))],
+            running=load.running, queued=sum(load.queued_per_class), draining=self.state == "draining")
+
+    def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        try:
+            if not request.request_id:
+                raise InvalidRequestError("request_id", "is empty")
+            with self._lock:
+                engine_id = self._live.get(request.request_id)
+            aborted = engine_id is not None and self.loop.call(lambda: self.engine.abort(engine_id), timeout=30)
+            return pb.AbortResponse(aborted=bool(aborted))
+        except Exception as exc:  # noqa: BLE001
+            self._abort(context, exc)
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+        code, message, trailers = _status_for(exc)
+        context.set_trailing_metadata(trailers)
+        context.abort(code, message)
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+
+class SlabServer:
+    """A gRPC server over one Engine; see the module docstring for its life: start, warm_up, drain."""
+
+    def __init__(self, engine: Engine, host: str, port: int, metrics_port: int | None, limits: Limits,
+                 max_workers: int | None):
+        scheduler = engine.scheduler
+        self.metrics = Metrics(scheduler.allocator.classes)
+        self.health = health.HealthServicer()
+        self.loop = EngineLoop(engine, self.metrics, on_failure=lambda exc: self._set_health(False))
+        self.servicer = SlabServeServicer(self.loop, limits, self.metrics)
+        # One worker per stream the engine can hold (running + every class queue full), plus room for unary calls;
+        # beyond that gRPC answers RESOURCE_EXHAUSTED instead of queueing calls without bound.
+        streams = scheduler.max_seqs + scheduler.queue_limit * len(scheduler.allocator.classes)
+        workers = max_workers or streams + 16
+        options = [("grpc.max_receive_message_length", limits.max_message_bytes),
+                   ("grpc.max_send_message_length", limits.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+                                       options=options, maximum_concurrent_rpcs=workers)
+        pb_grpc.add_SlabServeServicer_to_server(self.servicer, self.grpc_server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.grpc_server)
+        self.host = host
+        self.port = self.grpc_server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        self._metrics_port = metrics_port
+        self._stop_metrics: Callable[[], None] | None = None
+        self._set_health(False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        """Start the engine thread and answer calls (health NOT_SERVING, Generate UNAVAILABLE until warm_up)."""
+        self.loop.start()
+        self.grpc_server.start()
+        if self._metrics_port is not None:
+            self._stop_metrics = self.metrics.serve(self.host, self._metrics_port)
+
+    def warm_up(self, timeout: float = 300.0) -> None:
+        """Run one short request (a prefill and a decode step) through the engine, then turn health SERVING."""
+        engine = self.loop.engine
+
+        def run() -> None:
+            done = engine.generate([[engine.tokenizer.bos_token_id or 0, 1]],
+                                   stopping=StoppingOptions(max_tokens=2, ignore_eos=True))
+            if done[0].finish_reason is not FinishReason.LENGTH or len(done[0].token_ids) != 2:
+                raise RuntimeError(f"warm-up request ended with {done[0].finish_reason}")
+            load = engine.scheduler.load()
+            if load.free_per_class != load.total_per_class:
+                raise RuntimeError(f"warm-up left slabs in use: free {load.free_per_class} of {load.total_per_class}")
+
+        self.loop.call(run, timeout=timeout)
+        self.loop.post(self.loop.observe_load)
+        self.servicer.state = "serving"
+        self._set_health(True)
+
+    def drain(self, grace_s: float = 30.0) -> bool:
+        """Refuse new requests, let open streams finish within `grace_s`, cancel the rest, stop. True if none was
+        cut short."""
+        self.servicer.state = "draining"
+        self._set_health(False)
+        deadline = time.monotonic() + grace_s
+        while self.loop.num_streams() and time.monotonic() < deadline and self.loop.failure is None:
+            time.sleep(0.05)
+        left = self.loop.num_streams()
+        if left:
+            log.warning(json.dumps({"event": "drain_grace_expired", "cancelled_streams": left}))
+            self.loop.post(self.loop.abort_all)
+        self.stop(grace_s=5.0)
+        return left == 0
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self.grpc_server.stop(grace_s).wait()
+        self.loop.stop()
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+            self._stop_metrics = None
+
+    def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, status)
+
+
+def create_server(engine: Engine, host: str = "127.0.0.1", port: int = 50051, *, metrics_port: int | None = None,
+                  limits: Limits = Limits(), max_workers: int | None = None) -> SlabServer:
+    """A server over a ready Engine, bound but not started (`port=0` picks a free port: see `.port`)."""
+    return SlabServer(engine, host, port, metrics_port, limits, max_workers)
+
+
+# ---- the `slabserve serve` command ------------------------------------------------------------------------------
+
+def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="slabserve serve", description="Serve a plan bundle over gRPC.")
+    parser.add_argument("bundle", nargs="?", metavar="DIR", help="plan bundle directory (build-plan --out)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port, logged)")
+    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (-1: off)")
+    parser.add_argument("--grace-seconds", type=float, default=30.0,
+                        help="on SIGTERM, how long running streams may take to finish")
+    parser.add_argument("--max-message-bytes", type=int, default=Limits().max_message_bytes)
+    # Development only, until plan bundles load: build the engine from a model file and explicit sizes.
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--classes", default="256x8,1024x4,2048x2", help=argparse.SUPPRESS)  # TOKENSxCOUNT,...
+    parser.add_argument("--max-seqs", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--step-tokens", type=int, default=256, help=argparse.SUPPRESS)
+    parser.add_argument("--queue-limit", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    args = parser.parse_args(list(argv))
+    if (args.bundle is None) == (args.model is None):
+        parser.error("give a plan bundle DIR")
+    return args
+
+
+def _engine_from_args(args: argparse.Namespace) -> Engine:
+    if args.bundle is not None:
+        from_plan = getattr(Engine, "from_plan", None)
+        if from_plan is None:
+            raise SystemExit("slabserve serve: this build cannot load plan bundles yet (Engine.from_plan is missing)")
+        return from_plan(args.bundle)
+    classes = []
+    for item in args.classes.split(","):
+        tokens, _, count = item.partition("x")
+        classes.append(SlabClass(int(tokens), int(count)))
+    return Engine(EngineConfig(args.model, tuple(classes), max_seqs=args.max_seqs, step_tokens=args.step_tokens,
+                               dtype=args.dtype, queue_limit=args.queue_limit))
+
+
+def _seconds_since_process_start() -> float:
+    """Wall time since this process was created (Linux /proc); since interpreter start elsewhere."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.process_time()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    engine = _engine_from_args(args)
+    server = create_server(engine, args.host, args.port,
+                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                           limits=Limits(max_message_bytes=args.max_message_bytes))
+    server.start()
+    log.info(json.dumps({"event": "listening", "address": server.address, "metrics_port": args.metrics_port}))
+    server.warm_up()
+    log.info(json.dumps({"event": "serving", "address": server.address,
+                         "startup_s": round(_seconds_since_process_start(), 2)}))
+    while not stop.wait(0.5):
+        if server.loop.failure is not None:
+            server.stop()
+            return 1
+    log.info(json.dumps({"event": "draining", "grace_s": args.grace_seconds}))
+    clean = server.drain(args.grace_seconds)
+    log.info(json.dumps({"event": "stopped", "clean": clean}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
