@@ -21,17 +21,17 @@ ROOT = Path(__file__).resolve().parent           # the folder protoc's -I points
 PROTOS = ("slabserve/v1/serving.proto",)
 _IMPORT = re.compile(r"^from slabserve\.(\S+) import (\S+)_pb2 as", re.M)
 # Lines that carry tool versions, not content: ignored by --check.
-_VERSION_LINES = re.compile(r"^# Protobuf Python Version:.*$|^GRPC_GENERATED_VERSION = .*$|"
-                            r"^_runtime_version\.ValidateProtobufRuntimeVersion\(.*?^\)$", re.M | re.S)
+_VERSION_LINES = re.compile(r"^# Protobuf Python Version:[^\n]*$|^GRPC_GENERATED_VERSION = [^\n]*$|"
+                            r"^_runtime_version\.ValidateProtobufRuntimeVersion\([^)]*^\)$", re.M)
 
 
-def generate(out: Path) -> list[Path]:
-    """Run protoc on PROTOS into `out` (a mirror of ROOT); return the files written."""
+def generate(out: Path, root: Path = ROOT) -> list[Path]:
+    """Run protoc on the PROTOS under `root` into `out` (a mirror of `root`); return the files written."""
     from grpc_tools import protoc  # dev dependency: only the build and the drift test need it
     import grpc_tools
 
     include = Path(grpc_tools.__file__).parent / "_proto"
-    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
+    args = ["protoc", f"-I{root}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
             f"--grpc_python_out={out}", *PROTOS]
     if protoc.main(args) != 0:
         raise SystemExit(f"protoc failed on {', '.join(PROTOS)}")
@@ -42,12 +42,12 @@ def generate(out: Path) -> list[Path]:
     return written
 
 
-def stale_files() -> list[str]:
-    """Generated files (relative to ROOT) that are missing, extra, or differ from a fresh generation."""
+def stale_files(root: Path = ROOT) -> list[str]:
+    """Generated files (relative to `root`) that are missing, extra, or differ from a fresh generation."""
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = {p.relative_to(tmp).as_posix(): _content(p) for p in generate(Path(tmp))}
-    ours = {p.relative_to(ROOT).as_posix(): _content(p) for d in {Path(x).parent for x in PROTOS}
-            for p in (ROOT / d).glob("*_pb2*.py*")}
+        fresh = {p.relative_to(tmp).as_posix(): _content(p) for p in generate(Path(tmp), root)}
+    ours = {p.relative_to(root).as_posix(): _content(p) for d in {Path(x).parent for x in PROTOS}
+            for p in (root / d).glob("*_pb2*.py*")}
     return sorted(name for name in fresh.keys() | ours.keys() if fresh.get(name) != ours.get(name))
 
 
