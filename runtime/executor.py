@@ -1,0 +1,392 @@
+"""The planned executor: each bucket's traced step run node by node with every intermediate at its planned offset.
+
+Contract: `PlannedExecutor({bucket: (program, offsets)}, arena)` takes one activation arena (a flat uint8 tensor
+allocated once, at the planned size, shared by all buckets since one step runs one bucket) and, per bucket, the
+exported step (runtime.trace.export_step) and the byte offset of each of its activation tensors
+(runtime.trace.activation_tensors) in the arena. Construction checks the offsets (every tensor placed, inside the
+arena, aligned for its dtype, no two tensors alive at the same node sharing a byte: the runtime's own check, since
+it cannot import the compiler's) and resolves every node, refusing with `PlanViolationError` (naming the node and
+its op) anything it cannot run in place. `run(bucket, inputs, k_cache, v_cache)` then writes only into the arena
+and the KV caches and returns the logits as a view of the arena, valid until the next `run`.
+
+Per node kind (runtime.trace.NodeKind): placeholders bind to the program's weights or the caller's tensors; views
+and in-place ops alias their base; `empty`-like allocations are their arena view; `zeros`-like ones are zeroed
+each run; aten compute ops run through their `.out` overload into their arena view; `slabserve::` ops run as they
+are (they write into their arguments). Views depend only on metadata, so all of them are computed once when a
+bucket is first bound to a set of input tensors; a run with the same tensors only dispatches the write ops.
+
+`allocations(fn, steps)` / `count_allocations` run a function under the profiler's memory events and report every
+tensor storage created: the engine runs its warm-up under it and refuses to serve on any.
+
+On CUDA, `CudaGraphRunner` captures one graph per bucket (largest first, one shared memory pool) over fixed
+device staging buffers, and replays it after copying the step inputs into them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.profiler
+from torch import fx
+from torch._C._profiler import _EventType
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from runtime.trace import ActivationTensor, NodeKind, activation_tensors, node_kind
+
+STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "query_start", "slab_offset", "context_len",
+               "logits_indices", "k_cache", "v_cache")
+
+
+class PlanViolationError(RuntimeError):
+    """The activation plan does not fit the traced step, or serving would create tensor storage."""
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationPlan:
+    """The activation arena of a plan: its size and, per bucket, the byte offset of each activation tensor."""
+
+    arena_bytes: int
+    offsets: Mapping[int, Mapping[str, int]]  # bucket -> node name (runtime.trace.activation_tensors) -> offset
+
+
+# ---------------------------------------------------------------------------------------------------- plan checks
+
+
+def check_offsets(tensors: list[ActivationTensor], offsets: Mapping[str, int], arena_bytes: int,
+                  label: str = "") -> None:
+    """Raise PlanViolationError unless every tensor has an offset, lies inside the arena, is aligned for its dtype,
+    and shares no byte with a tensor alive at the same node (lifetimes inclusive; empty tensors take no bytes)."""
+    where = f"bucket {label}: " if label else ""
+    missing = [t.name for t in tensors if t.name not in offsets]
+    if missing:
+        raise PlanViolationError(f"{where}no planned offset for {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                                 f"({len(missing)} tensors): the plan was made for another graph; rebuild it")
+    for t in tensors:
+        off = offsets[t.name]
+        itemsize = torch.empty((), dtype=t.dtype, device="meta").element_size()
+        if off < 0 or off + t.nbytes > arena_bytes:
+            raise PlanViolationError(f"{where}tensor {t.name!r} at bytes [{off}, {off + t.nbytes}) is outside the "
+                                     f"activation arena of {arena_bytes} bytes")
+        if off % itemsize:
+            raise PlanViolationError(f"{where}tensor {t.name!r} at offset {off} is not aligned to its "
+                                     f"{itemsize}-byte {t.dtype}")
+    placed = sorted(((offsets[t.name], offsets[t.name] + t.nbytes, t) for t in tensors if t.nbytes),
+                    key=lambda r: (r[0], r[1], r[2].name))
+    open_ranges: list[tuple[int, ActivationTensor]] = []  # (end, tensor) of ranges that may reach the next start
+    for start, end, t in placed:
+        open_ranges = [(e, o) for e, o in open_ranges if e > start]
+        for other_end, other in open_ranges:
+            if other.first_use <= t.last_use and t.first_use <= other.last_use:
+                raise PlanViolationError(
+                    f"{where}tensors {other.name!r} (bytes [{offsets[other.name]}, {other_end}), nodes "
+                    f"{other.first_use}..{other.last_use}) and {t.name!r} (bytes [{start}, {end}), nodes "
+                    f"{t.first_use}..{t.last_use}) share bytes while both are alive")
+        open_ranges.append((end, t))
+
+
+def sequential_offsets(tensors: list[ActivationTensor], alignment: int = 64) -> tuple[dict[str, int], int]:
+    """Every tensor its own aligned bytes, no reuse: (offsets, arena bytes). Obviously safe and wasteful; for an
+    engine started without a compiled plan (the plan bundle carries the compiler's reusing layout)."""
+    offsets, cursor = {}, 0
+    for t in tensors:
+        offsets[t.name] = cursor
+        cursor += -(-t.nbytes // alignment) * alignment
+    return offsets, cursor
+
+
+# ---------------------------------------------------------------------------------------------------- one bucket
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """A node that writes memory at run time: fn(*args, **kwargs) with the node's arguments resolved at bind time."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+
+
+class _BucketProgram:
+    """One bucket's graph resolved against the arena: per node, what it is and where its result lives."""
+
+    def __init__(self, bucket: int, ep: ExportedProgram, offsets: Mapping[str, int], arena: torch.Tensor):
+        self.bucket = bucket
+        self.nodes = list(ep.graph.nodes)
+        self.tensors = activation_tensors(ep)
+        check_offsets(self.tensors, offsets, arena.numel(), str(bucket))
+        self.consts: dict[str, torch.Tensor] = {}   # placeholder name -> weight
+        self.user: dict[str, fx.Node] = {}          # step input name -> placeholder
+        self._bind_signature(ep)
+        # node name -> arena view with the traced shape and strides
+        self.views = {t.name: _arena_view(arena, offsets[t.name], n.meta["val"])
+                      for t, n in zip(self.tensors, (self._node(t.name) for t in self.tensors))}
+        self.kinds = {node: node_kind(node) for node in self.nodes}
+        self.out_ops: dict[fx.Node, torch._ops.OpOverload] = {}
+        for node in self.nodes:
+            self._resolve(node)
+        self.bound_to: tuple | None = None
+        self.calls: list[_Call] = []
+        self.result: torch.Tensor | None = None
+
+    def _node(self, name: str) -> fx.Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def _bind_signature(self, ep: ExportedProgram) -> None:
+        for spec in ep.graph_signature.input_specs:
+            name = spec.arg.name
+            if spec.kind == InputKind.USER_INPUT:
+                if name not in STEP_INPUTS:
+                    raise PlanViolationError(f"bucket {self.bucket}: unknown step input {name!r}")
+                self.user[name] = next(n for n in self.nodes if n.name == name)
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                source = ep.state_dict if spec.target in ep.state_dict else ep.constants
+                self.consts[name] = source[spec.target]
+            else:
+                raise PlanViolationError(f"bucket {self.bucket}: input {name!r} of kind {spec.kind.name} is not "
+                                         f"supported by the planned executor")
+        outputs = ep.graph_signature.output_specs
+        if len(outputs) != 1 or outputs[0].kind != OutputKind.USER_OUTPUT:
+            raise PlanViolationError(f"bucket {self.bucket}: the step must return one tensor and mutate inputs only "
+                                     f"in place, got outputs {[o.kind.name for o in outputs]}")
+
+    def _resolve(self, node: fx.Node) -> None:
+        kind = self.kinds[node]
+        if kind == NodeKind.UNSUPPORTED:
+            raise PlanViolationError(f"bucket {self.bucket}: node {node.name!r} ({node.op} {node.target}) cannot be "
+                                     f"run by the planned executor: only aten ops and slabserve:: ops are supported")
+        if kind == NodeKind.COMPUTE:
+            out = out_overload(node.target)
+            if out is None:
+                raise PlanViolationError(f"bucket {self.bucket}: node {node.name!r} ({node.target}) has no .out "
+                                         f"overload, so its result cannot be written into the arena; rewrite the "
+                                         f"step to use an op that has one, or a slabserve:: op writing into a buffer")
+            self.out_ops[node] = out
+        if kind == NodeKind.VIEW and node.target == torch.ops.aten.reshape.default:
+            base = node.args[0].meta["val"]
+            if not base.is_contiguous():
+                raise PlanViolationError(f"bucket {self.bucket}: node {node.name!r} reshapes a non-contiguous "
+                                         f"tensor, which copies; make the step reshape contiguous tensors only")
+        if kind == NodeKind.VIEW and not node.args:
+            raise PlanViolationError(f"bucket {self.bucket}: view node {node.name!r} has no base")
+
+    # -- binding: resolve every node against concrete input tensors, once per set of input tensors
+
+    def bind(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        env: dict[fx.Node, Any] = {}
+        calls: list[_Call] = []
+        result = None
+        for node in self.nodes:
+            kind = self.kinds[node]
+            if kind == NodeKind.PLACEHOLDER:
+                env[node] = self.consts[node.name] if node.name in self.consts else self._user_input(node, inputs)
+                continue
+            if kind == NodeKind.OUTPUT:
+                result = env[node.args[0][0]]
+                continue
+            args = fx.node.map_arg(node.args, lambda n: env[n])
+            kwargs = {k: fx.node.map_arg(v, lambda n: env[n]) for k, v in node.kwargs.items()}
+            if kind == NodeKind.VIEW:
+                env[node] = node.target(*args, **kwargs)
+            elif kind == NodeKind.INPLACE:
+                calls.append(_Call(node.target, args, kwargs))
+                env[node] = args[0]
+            elif kind == NodeKind.ALLOC:
+                env[node] = self.views[node.name]
+            elif kind == NodeKind.ZEROS:
+                env[node] = self.views[node.name]
+                calls.append(_Call(torch.Tensor.zero_, (env[node],), {}))
+            elif kind == NodeKind.COMPUTE:
+                env[node] = self.views[node.name]
+                calls.append(_Call(self.out_ops[node], args, {**kwargs, "out": env[node]}))
+            else:  # CUSTOM
+                calls.append(_Call(node.target, args, kwargs))
+                env[node] = None
+        self.calls, self.result = calls, result
+        self.bound_to = tuple(inputs[name] for name in STEP_INPUTS)
+
+    def _user_input(self, node: fx.Node, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        tensor, want = inputs[node.name], node.meta["val"]
+        if tuple(tensor.shape) != tuple(want.shape) or tensor.dtype != want.dtype:
+            raise ValueError(f"bucket {self.bucket}: input {node.name} is {tuple(tensor.shape)} {tensor.dtype}, the "
+                             f"step was traced for {tuple(want.shape)} {want.dtype}")
+        return tensor
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        bound = self.bound_to
+        if bound is None or any(a is not b for a, b in zip(bound, (inputs[name] for name in STEP_INPUTS))):
+            self.bind(inputs)
+        for call in self.calls:
+            call.fn(*call.args, **call.kwargs)
+        return self.result
+
+
+def _arena_view(arena: torch.Tensor, offset: int, val: torch.Tensor) -> torch.Tensor:
+    """The bytes [offset, offset + nbytes) of the arena as a tensor with `val`'s dtype, shape and strides."""
+    itemsize = val.element_size()
+    numel = 0 if val.numel() == 0 else 1 + sum((s - 1) * st for s, st in zip(val.shape, val.stride()))
+    flat = arena[offset : offset + numel * itemsize].view(val.dtype)  # (numel,)
+    return flat.as_strided(tuple(val.shape), tuple(val.stride()))
+
+
+_OUT_CACHE: dict[torch._ops.OpOverload, torch._ops.OpOverload | None] = {}
+
+
+def out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The overload of `op`'s packet that takes the same arguments plus one keyword `out` tensor it writes."""
+    if op in _OUT_CACHE:
+        return _OUT_CACHE[op]
+    packet = op.overloadpacket
+    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    found = None
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        schema = candidate._schema
+        outs = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write and a.kwarg_only]
+        rest = [(a.name, str(a.type)) for a in schema.arguments if a not in outs]
+        if len(outs) == 1 and outs[0].name == "out" and rest == want:
+            found = candidate
+            break
+    _OUT_CACHE[op] = found
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------- executor
+
+
+class PlannedExecutor:
+    """Runs each bucket's step with its intermediates at their planned places in one shared arena."""
+
+    def __init__(self, programs: Mapping[int, tuple[ExportedProgram, Mapping[str, int]]], arena: torch.Tensor):
+        if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
+            raise ValueError("the activation arena must be a flat contiguous uint8 tensor")
+        self.arena = arena  # (arena_bytes,) uint8, allocated once by the caller
+        self.buckets = {b: _BucketProgram(b, ep, offsets, arena) for b, (ep, offsets) in sorted(programs.items())}
+
+    @classmethod
+    def allocate(cls, programs: Mapping[int, ExportedProgram], plan: ActivationPlan,
+                 device: torch.device | str = "cpu") -> PlannedExecutor:
+        """Allocate the arena (once, at exactly the planned size) and build the executor over it."""
+        missing = sorted(set(programs) - set(plan.offsets))
+        if missing:
+            raise PlanViolationError(f"the activation plan has no layout for buckets {missing}; rebuild the plan")
+        arena = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=device)  # (arena_bytes,)
+        return cls({b: (ep, plan.offsets[b]) for b, ep in programs.items()}, arena)
+
+    def run(self, bucket: int, inputs: Mapping[str, torch.Tensor], k_cache: torch.Tensor,
+            v_cache: torch.Tensor) -> torch.Tensor:
+        """One step of `bucket`: logits (R, V), a view of the arena valid until the next run."""
+        return self.buckets[bucket].run({**inputs, "k_cache": k_cache, "v_cache": v_cache})
+
+
+def plan_sequential(programs: Mapping[int, ExportedProgram], alignment: int = 64) -> ActivationPlan:
+    """A plan for programs without a compiled one: `sequential_offsets` per bucket, the arena sized for the largest."""
+    offsets, arena = {}, 0
+    for bucket, ep in programs.items():
+        offsets[bucket], size = sequential_offsets(activation_tensors(ep), alignment)
+        arena = max(arena, size)
+    return ActivationPlan(arena, offsets)
+
+
+# ---------------------------------------------------------------------------------------------------- allocations
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One tensor storage created: its size and the ops it was made under, outermost first."""
+
+    nbytes: int
+    ops: tuple[str, ...]  # e.g. ("slabserve::rope", "aten::to", "aten::_to_copy", "aten::empty_strided")
+
+    def under(self, prefixes: tuple[str, ...]) -> bool:
+        return bool(self.ops) and self.ops[0].startswith(prefixes)
+
+
+# Allocations the engine tolerates for now, by outermost op: the CPU references of the kernels (kernels/reference.py)
+# make small temporaries (SDPA's buffers, fp32 copies in rope and rms_norm, kv_write's index lists) that are freed
+# before the op returns. Zero allocation on CPU needs them to write into planned workspaces instead.
+KERNEL_TEMPORARIES = ("slabserve::",)
+
+
+def allocations(fn: Callable[[], object], steps: int = 1, single_thread: bool = True) -> list[Allocation]:
+    """Run `fn` `steps` times under the profiler's memory events; every CPU/CUDA tensor storage allocated meanwhile
+    (an empty list: nothing was allocated).
+
+    Why it cannot miss one: every tensor storage with bytes is allocated by a c10 allocator (the CPU allocator, the
+    pinned-memory allocator or the CUDA caching allocator), and each reports each allocation to the profiler when
+    memory profiling is on for the allocating thread; the raw allocation events are read (not the per-op totals,
+    where a temporary freed inside its op nets to zero). The profiler's state is thread-local and ATen's intra-op
+    worker threads do not inherit it, so by default the check runs with one intra-op thread: every `parallel_for`
+    body then runs on the calling thread, under the profiler (a worker thread only runs chunks of a body that the
+    calling thread runs whole here)."""
+    threads = torch.get_num_threads()
+    if single_thread:
+        torch.set_num_threads(1)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            for _ in range(steps):
+                fn()
+    finally:
+        torch.set_num_threads(threads)
+    return list(_allocation_events(prof.profiler.kineto_results.experimental_event_tree(), ()))
+
+
+def _allocation_events(events, ops: tuple[str, ...]):
+    """Positive allocation events of the profiler's tree (they sit under the op that made them, or at the top)."""
+    for event in events:
+        if event.tag == _EventType.Allocation:
+            if event.extra_fields.alloc_size > 0:
+                yield Allocation(event.extra_fields.alloc_size, ops)
+        else:
+            yield from _allocation_events(event.children, ops + (event.name,))
+
+
+def count_allocations(fn: Callable[[], object], steps: int = 1, exempt: tuple[str, ...] = ()) -> int:
+    """How many tensor storages `steps` calls of `fn` create (see `allocations`), except those made under an op
+    whose name starts with one of `exempt`."""
+    return sum(1 for a in allocations(fn, steps) if not a.under(exempt))
+
+
+def check_no_allocations(fn: Callable[[], object], steps: int, what: str, exempt: tuple[str, ...] = ()) -> None:
+    """Raise PlanViolationError if `steps` calls of `fn` create any tensor storage (outside `exempt` ops)."""
+    found = [a for a in allocations(fn, steps) if not a.under(exempt)]
+    if found:
+        where = sorted({" > ".join(a.ops) or "(no op)" for a in found})
+        raise PlanViolationError(f"{what} created {len(found)} tensor storages in {steps} steps "
+                                 f"({sum(a.nbytes for a in found)} bytes) under {where[:5]}: something runs outside "
+                                 f"the plan; refusing to serve")
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA graphs
+
+
+class CudaGraphRunner:
+    """One CUDA graph per bucket over the planned executor, captured largest bucket first into one memory pool.
+
+    Each bucket has fixed device staging buffers for its step inputs; `run` copies the (pinned host) inputs into
+    them and replays the graph, so a replay reads and writes only memory fixed at capture. Never recaptures."""
+
+    def __init__(self, executor: PlannedExecutor, inputs: Mapping[int, Mapping[str, torch.Tensor]],
+                 k_cache: torch.Tensor, v_cache: torch.Tensor):
+        self.executor, self.k_cache, self.v_cache = executor, k_cache, v_cache
+        self.staging = {b: {name: t.to(k_cache.device, copy=True) for name, t in inputs[b].items()}
+                        for b in executor.buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(executor.buckets, reverse=True):  # largest first: later captures reuse its pool blocks
+            executor.run(b, self.staging[b], k_cache, v_cache)  # warm up (Triton compiles, cuBLAS handles)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = executor.run(b, self.staging[b], k_cache, v_cache)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def run(self, bucket: int, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        for name, dst in self.staging[bucket].items():
+            dst.copy_(inputs[name], non_blocking=True)
+        self.graphs[bucket].replay()
+        return self.logits[bucket]
