@@ -68,19 +68,24 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     rope_positions = spec.max_context
     # 2) weights
     weights = weight_arena(config, spec.dtype, rope_positions)
-    # 3) activations, traced on meta weights at every bucket (the KV rows are not known yet: see compiler.tracing)
+    # 3) activations: the largest bucket traced on meta weights sizes the arena (the KV rows are not known yet)
     dtype = TORCH_DTYPES[spec.dtype]
-    sizing = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=spec.max_context,
+    sizing = trace_buckets(config, dtype, spec.buckets[-1:], spec.max_seqs, kv_rows=spec.max_context,
                            rope_positions=rope_positions)
+    activation_bytes = shared_arena_bytes(sizing)
     # 4) staging
     staging = staging_buffers(spec, config)
-    # 5) KV slabs under what is left
-    slabs = plan_slabs_for(spec, config, weights.arena_bytes, shared_arena_bytes(sizing), staging.total_bytes)
-    kv = kv_arena(config, spec.kv_dtype, slabs)
-    traced = sizing if kv.rows == spec.max_context else trace_buckets(
-        config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows, rope_positions=rope_positions)
-    _check_same_activations(sizing, traced)
-    activations = activation_arena(traced)
+    # 5) KV slabs under what is left; then every bucket traced at the planned rows (their graph fingerprints)
+    while True:
+        slabs = plan_slabs_for(spec, config, weights.arena_bytes, activation_bytes, staging.total_bytes)
+        kv = kv_arena(config, spec.kv_dtype, slabs)
+        traced = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows,
+                               rope_positions=rope_positions)
+        _check_same_activations(sizing, traced[-1:])
+        activations = activation_arena(traced)
+        if activations.arena_bytes <= activation_bytes:
+            break
+        activation_bytes = activations.arena_bytes  # a smaller bucket needs more than the largest: plan again
     # 6) totals
     totals = _totals(spec, weights.arena_bytes, kv.arena_bytes, activations.arena_bytes, staging.total_bytes)
     if not totals.fits:
@@ -118,7 +123,7 @@ def load_model(spec: Spec, base: Path) -> ModelInputs:
 
 def fingerprints(spec: Spec, config: ModelConfig, weights_hash: str | None) -> P.Fingerprints:
     return P.Fingerprints(
-        model_config=config_fingerprint(config), weights=weights_hash, torch=torch.__version__,
+        model_config=config_fingerprint(config), weights=weights_hash, torch=str(torch.__version__),
         triton=_version("triton"), device=spec.target.gpu or spec.target.device)
 
 
