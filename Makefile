@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test clean proto demo
+.PHONY: venv test clean proto demo plans
 
 venv: $(STAMP)
 
@@ -47,3 +47,20 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
+
+# Every spec in plans/ built into $(PLANS_OUT)/<name>, verified against its own target, and diffed against the
+# previous CI artifact in $(PREV_PLANS)/<name> when there is one (exit 1 on a regression over MAX_REGRESSION %).
+# Bundles hold no weights. .ci/workflows/plans.yml runs this and keeps $(PLANS_OUT) as the artifact.
+PLANS_OUT      ?= build/plans
+PREV_PLANS     ?= build/prev-plans
+MAX_REGRESSION ?= 5
+
+plans: $(STAMP)
+	@set -e; for spec in plans/*.yaml; do \
+	  name=$$(basename $$spec .yaml); \
+	  $(PY) -m compiler.cli build-plan $$spec --out $(PLANS_OUT)/$$name; \
+	  $(PY) -m compiler.cli plan verify $(PLANS_OUT)/$$name --target plan; \
+	  if [ -f $(PREV_PLANS)/$$name/plan.msgpack ]; then \
+	    $(PY) -m compiler.cli plan diff $(PREV_PLANS)/$$name $(PLANS_OUT)/$$name --max-regression $(MAX_REGRESSION); \
+	  else echo "plans: no previous artifact for $$name in $(PREV_PLANS): nothing to diff"; fi; \
+	done
