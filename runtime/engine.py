@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.executor import (KERNEL_TEMPORARIES, ActivationPlan, CudaGraphRunner, PlannedExecutor,
+                              check_no_allocations, plan_sequential)
 from runtime.loader import GGUFSource, WeightSource, open_model
 from runtime.model import build_step
 from runtime.sampler import Sampler, SamplingParams, make_generator
@@ -24,6 +26,7 @@ from runtime.scheduler import FinishReason, InvalidRequestError, Request, Schedu
 from runtime.slab_allocator import SlabClass
 from runtime.step import StepInputs
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.trace import export_step
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -92,8 +95,15 @@ class _Live:
     first_token: float | None = None
 
 
+WARM_UP_CHECKED_STEPS = 2  # steps per bucket run under the allocation check at start-up
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, source: WeightSource | None = None):
+    def __init__(self, config: EngineConfig, source: WeightSource | None = None,
+                 activation_plan: ActivationPlan | None = None):
+        """`activation_plan`: the plan bundle's activation layout; without one every intermediate gets its own
+        bytes (`runtime.executor.plan_sequential`). Refuses (PlanViolationError) a plan that does not fit the
+        traced step, or warm-up steps that create tensor storage."""
         source = source or open_model(config.model)
         self.config = config
         self.model_config = c = source.config
@@ -109,13 +119,20 @@ class Engine:
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.inputs = {b: StepInputs(b, config.max_seqs) for b in buckets}
+        programs = {b: export_step(self.step_fn, b, config.max_seqs, rows) for b in buckets}
+        plan = activation_plan or plan_sequential(programs)
+        self.executor = PlannedExecutor.allocate(programs, plan, self.k_cache.device)
+        self._graphs = (CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
+                                        self.k_cache, self.v_cache) if self.k_cache.is_cuda else None)
         self.sampler = Sampler(config.max_seqs, c.vocab_size)
+        self._picked = torch.empty(config.max_seqs, c.vocab_size)              # (S, V) float32 rows to sample
         self.scheduler = Scheduler(config.classes, config.max_seqs, config.step_tokens, buckets, config.queue_limit)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self._cancelled: list[str] = []  # aborted requests whose CANCELLED event is not yet returned
         self._backlog: list[GenerationEvent] = []  # events `generate`/`stream` saw for requests they don't own
         self._seed_source = random.Random()
+        self._warm_up()
 
     # ---- requests in ----------------------------------------------------------------------------------------------
 
@@ -182,8 +199,7 @@ class Engine:
         for chunk in scheduled.chunks:
             live = self._live[chunk.request_id]
             live.started = live.started or now
-        with torch.no_grad():
-            logits = self.step_fn(**inputs.tensors(), k_cache=self.k_cache, v_cache=self.v_cache)  # (S, V)
+        logits = self._run_step(scheduled.bucket)  # (S, V)
         # 2) sample the rows that end a sequence's known tokens
         sampled = self._sample(scheduled, logits)
         # 3) let the scheduler advance, then turn tokens into text and match stop strings
@@ -191,14 +207,49 @@ class Engine:
             events.append(self._token_event(event.request_id, event.token_id, event.finished))
         return events
 
+    def _run_step(self, bucket: int) -> torch.Tensor:
+        """The step of `bucket` on its filled inputs: logits (S, V), a view into the activation arena."""
+        if self._graphs is not None:
+            return self._graphs.run(bucket, self.inputs[bucket].tensors())
+        return self.executor.run(bucket, self.inputs[bucket].tensors(), self.k_cache, self.v_cache)
+
     def _sample(self, scheduled: ScheduledStep, logits: torch.Tensor) -> dict[str, int]:
         rows = [i for i, chunk in enumerate(scheduled.chunks) if chunk.sample]
         if not rows:
             return {}
         lives = [self._live[scheduled.chunks[i].request_id] for i in rows]
-        picked = logits[rows] if len(rows) != len(scheduled.chunks) else logits[: len(rows)]
-        tokens = self.sampler.sample(picked.float(), [l.params for l in lives], [l.generator for l in lives])
-        return {scheduled.chunks[i].request_id: int(t) for i, t in zip(rows, tokens.tolist())}
+        tokens = self._sample_rows(logits, rows, [l.params for l in lives], [l.generator for l in lives])
+        return {scheduled.chunks[i].request_id: t for i, t in zip(rows, tokens)}
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[int], params, generators) -> list[int]:
+        """Sample logits[rows] with the preallocated buffers only (no fancy indexing, which allocates)."""
+        r = len(rows)
+        if rows[-1] == r - 1 and logits.dtype == torch.float32:  # rows 0..r-1: a view is enough
+            picked = logits[:r]
+        elif rows[-1] == r - 1:
+            picked = self._picked[:r].copy_(logits[:r])
+        else:
+            picked = self._picked[:r]
+            for j, i in enumerate(rows):
+                picked[j].copy_(logits[i])
+        return self.sampler.sample(picked, params, generators).tolist()
+
+    def _warm_up(self) -> None:
+        """Run every bucket on padding-only inputs (first runs bind the graphs and initialize libraries), then
+        again under the allocation check with greedy and random sampling; refuse to serve if anything allocates.
+        On CPU the kernels' reference temporaries are tolerated (runtime.executor.KERNEL_TEMPORARIES)."""
+        params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
+        generators = [make_generator(0), make_generator(1)]
+        rows = list(range(min(2, self.config.max_seqs)))
+        for inputs in self.inputs.values():
+            inputs.fill([])
+        def every_bucket() -> None:
+            for bucket in self.inputs:
+                logits = self._run_step(bucket)
+                self._sample_rows(logits, rows, params[: len(rows)], generators[: len(rows)])
+        every_bucket()
+        exempt = () if self.k_cache.is_cuda else KERNEL_TEMPORARIES
+        check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up", exempt)
 
     def _token_event(self, request_id: str, token_id: int, finished: FinishReason | None) -> GenerationEvent:
         live = self._live[request_id]

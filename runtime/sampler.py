@@ -68,6 +68,9 @@ class Sampler:
         self.choice = torch.empty(s, 1, dtype=torch.int64)    # (S, 1)
         self.greedy_ids = torch.empty(s, dtype=torch.int64)   # (S,)
         self.token_ids = torch.empty(s, dtype=torch.int64)    # (S,)
+        # numpy views of the same memory: per-row scalar writes through them create no 0-dim tensors
+        self._np = {name: getattr(self, name).numpy() for name in ("inv_temp", "top_k", "top_p", "min_p", "order",
+                                                                   "choice", "token_ids")}
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -84,24 +87,27 @@ class Sampler:
             if not p.greedy:
                 torch.rand(1, generator=g, out=self.uniform[row])
         self._draw(r)
+        order, choice, token_ids = self._np["order"], self._np["choice"], self._np["token_ids"]
         for row, p in enumerate(params):
             if not p.greedy:
-                out[row] = self.order[row, self.choice[row, 0]]
+                token_ids[row] = order[row, choice[row, 0]]
         return out
 
     def _load_params(self, params: Sequence[SamplingParams]) -> None:
+        a = self._np
         for row, p in enumerate(params):
-            self.inv_temp[row, 0] = 1.0 / p.temperature if p.temperature > 0 else 1.0
-            self.top_k[row, 0] = p.top_k if p.top_k > 0 else self.vocab_size
-            self.top_p[row, 0] = p.top_p
-            self.min_p[row, 0] = p.min_p
+            a["inv_temp"][row, 0] = 1.0 / p.temperature if p.temperature > 0 else 1.0
+            a["top_k"][row, 0] = p.top_k if p.top_k > 0 else self.vocab_size
+            a["top_p"][row, 0] = p.top_p
+            a["min_p"][row, 0] = p.min_p
 
     def _filtered_probs(self, logits: torch.Tensor) -> None:
         """probs[:r] = softmax(logits / T), sorted descending, with top-k, min-p and top-p cuts set to 0."""
         r = logits.shape[0]
         srt, order, probs, cum = self.sorted[:r], self.order[:r], self.probs[:r], self.cumsum[:r]
         keep, mask, threshold = self.keep[:r], self.mask[:r], self.threshold[:r]
-        torch.sort(logits, dim=-1, descending=True, out=(srt, order))
+        # topk over the whole row is a descending sort that, unlike aten::sort, makes no index temporary
+        torch.topk(logits, self.vocab_size, dim=-1, out=(srt, order))
         torch.mul(srt, self.inv_temp[:r], out=srt)
         torch.ops.aten._softmax.out(srt, -1, False, out=probs)
         torch.lt(self.column[:r], self.top_k[:r], out=keep)      # top-k: the first k columns
@@ -112,8 +118,9 @@ class Sampler:
         torch.sub(cum, probs, out=cum)                           # mass strictly before each column
         torch.lt(cum, self.top_p[:r], out=mask)                  # top-p: keep while the mass before is < p
         keep.logical_and_(mask)
-        keep[:, 0] = True                                        # the most likely token always stays
-        probs.mul_(keep)
+        keep[:, 0].fill_(True)                                   # the most likely token always stays
+        torch.logical_not(keep, out=mask)
+        probs.masked_fill_(mask, 0.0)                            # (mul_ by a bool mask would copy it to float)
         torch.cumsum(probs, dim=-1, out=cum)
 
     def _draw(self, r: int) -> None:
