@@ -111,7 +111,7 @@ def load_model(spec: Spec, base: Path) -> ModelInputs:
     try:
         if not spec.model.servable:
             return ModelInputs(resolved, open_config(resolved.config or resolved.path).config, None)
-        if resolved.kind == "hf" and resolved.config is not None and resolved.path != resolved.config.parent:
+        if spec.model.path is not None and (base / spec.model.path).is_file() and resolved.kind == "hf":
             raise BuildError(f"{spec.source}: model.path names a config.json; with weights: load, name the model "
                              f"folder, or set model.weights: none to plan from the config alone")
         source = open_model(resolved.path)

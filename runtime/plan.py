@@ -316,7 +316,7 @@ def _unpack(data: bytes) -> Any:
 
     try:
         return msgpack.unpackb(
-            data, raw=False, use_list=True, strict_map_key=True, ext_hook=no_ext, max_buffer_size=MAX_PLAN_BYTES,
+            data, raw=False, use_list=True, strict_map_key=True, ext_hook=no_ext,
             max_str_len=_MAX_STR, max_bin_len=0, max_array_len=_MAX_ITEMS, max_map_len=4096, max_ext_len=0)
     except PlanFormatError:
         raise
