@@ -519,12 +519,14 @@ class SlabServer:
             self._stop_metrics = self.metrics.serve(self.host, self._metrics_port)
 
     def warm_up(self, timeout: float = 300.0) -> None:
-        """Run one short request (a prefill and a decode step) through the engine, then turn health SERVING."""
+        """Run a long prompt (the largest bucket) and a decode step through the engine; if every slab comes back,
+        turn health SERVING. The engine thread runs it, so nothing else touches the engine meanwhile."""
         engine = self.loop.engine
+        scheduler = engine.scheduler
+        num_prompt = max(1, min(scheduler.step_tokens, scheduler.max_request_tokens - 2))
 
         def run() -> None:
-            done = engine.generate([[engine.tokenizer.bos_token_id or 0, 1]],
-                                   stopping=StoppingOptions(max_tokens=2, ignore_eos=True))
+            done = engine.generate([[1] * num_prompt], stopping=StoppingOptions(max_tokens=2, ignore_eos=True))
             if done[0].finish_reason is not FinishReason.LENGTH or len(done[0].token_ids) != 2:
                 raise RuntimeError(f"warm-up request ended with {done[0].finish_reason}")
             load = engine.scheduler.load()
