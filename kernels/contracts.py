@@ -136,9 +136,14 @@ def _check_attention_common(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 def check_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  query_start: torch.Tensor, slab_offset: torch.Tensor,
-                                 context_len: torch.Tensor, out: torch.Tensor) -> None:
+                                 context_len: torch.Tensor, out: torch.Tensor,
+                                 workspace: torch.Tensor | None = None) -> None:
     op = "slab_prefill_attention"
     _check_attention_common(op, q, k_cache, v_cache, slab_offset, context_len, out)
+    if workspace is not None:
+        _expect_dtype(op, "workspace", workspace, (torch.float32,))
+        if workspace.dim() != 1:
+            _fail(op, f"workspace must be 1-D fp32 (see kernels.prefill_workspace_numel), got {tuple(workspace.shape)}")
     _expect_shape(op, "query_start", query_start, (slab_offset.shape[0] + 1,))
     _expect_dtype(op, "query_start", query_start, (torch.int32,))
     _expect_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, query_start=query_start,

@@ -102,23 +102,26 @@ def _kv_write_fake(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 
 # --- slab_attention (prefill form; decode rows are sequences with q_len 1) --------------------------------
 
-@torch.library.custom_op(f"{_LIB}::slab_attention", mutates_args=("out",), device_types="cpu")
+@torch.library.custom_op(f"{_LIB}::slab_attention", mutates_args=("out", "workspace"), device_types="cpu")
 def _slab_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor, slab_offset: Tensor,
-                       context_len: Tensor, scale: float, out: Tensor) -> None:
-    reference.slab_prefill_attention_ref(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
+                       context_len: Tensor, scale: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
+    reference.slab_prefill_attention_ref(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
+                                         workspace)
 
 
 @_slab_attention_op.register_kernel("cuda")
 def _slab_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor, slab_offset: Tensor,
-                         context_len: Tensor, scale: float, out: Tensor) -> None:
+                         context_len: Tensor, scale: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
+    # the Triton kernel keeps its scores in registers; the CPU path's workspace is not needed here
     from kernels.triton_slab_attention import slab_prefill_attention_triton
     slab_prefill_attention_triton(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
 
 
 @_slab_attention_op.register_fake
 def _slab_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor, slab_offset: Tensor,
-                         context_len: Tensor, scale: float, out: Tensor) -> None:
-    contracts.check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out)
+                         context_len: Tensor, scale: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
+    contracts.check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out,
+                                           workspace)
 
 
 # --- slab_decode_attention ------------------------------------------------------------------------------
@@ -170,9 +173,11 @@ def kv_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 
 def slab_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor,
-                           slab_offset: Tensor, context_len: Tensor, scale: float, out: Tensor) -> Tensor:
-    """q (T, H, D) flat rows of S sequences over their slabs, into out (T, H, D)."""
-    torch.ops.slabserve.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
+                           slab_offset: Tensor, context_len: Tensor, scale: float, out: Tensor,
+                           workspace: Optional[Tensor] = None) -> Tensor:
+    """q (T, H, D) flat rows of S sequences over their slabs, into out (T, H, D); workspace: CPU scratch."""
+    torch.ops.slabserve.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
+                                       workspace)
     return out
 
 

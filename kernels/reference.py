@@ -80,38 +80,59 @@ def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache.index_copy_(0, slots, v.index_select(0, rows))
 
 
+def prefill_workspace_numel(num_tokens: int, num_heads: int, head_dim: int, max_context: int) -> int:
+    """fp32 elements the CPU attention needs for one sequence of up to `num_tokens` rows over `max_context` keys:
+    the gathered queries and the result (each H*L*D), the scores (H*L*C) and the causal mask of the chunk (L*L).
+    Sequences reuse it one by one."""
+    return num_heads * num_tokens * (2 * head_dim + max_context) + num_tokens * num_tokens
+
+
 def _attend_slab(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, scale: float,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, scratch: torch.Tensor) -> None:
     """Bottom-right aligned causal attention of q (L, H, D) over k/v_slab (C, Hkv, D), C >= L, into out.
 
-    GQA as a broadcast: the G query heads of a kv head form one batch entry and K/V are expanded (stride 0)
-    over them; on CPU this is several times faster than SDPA's enable_gqa, and copies nothing.
+    Allocation-free given `scratch` (fp32, >= prefill_workspace_numel(L, H, D, C)): one GEMM per kv head over its
+    G*L query rows, reading the slab in place (a kv head's rows are a strided matrix BLAS takes as it is; a
+    batched matmul over heads would copy the slab first), softmax in place, a second GEMM per kv head.
     """
     q_len, num_heads, head_dim = q.shape
     context, num_kv_heads = k_slab.shape[0], k_slab.shape[1]
     group = num_heads // num_kv_heads
-    if q_len == 1 or q_len == context:  # no mask needed, or the plain top-left causal one
-        mask, is_causal = None, q_len > 1
-    else:
-        query_pos = torch.arange(context - q_len, context, device=q.device)  # (L,)
-        mask = torch.arange(context, device=q.device) <= query_pos[:, None]  # (L, C)
-        is_causal = False
-    grouped = (num_kv_heads, group, context, head_dim)
-    attended = F.scaled_dot_product_attention(
-        q.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3),  # (Hkv, G, L, D), a view here
-        k_slab.transpose(0, 1)[:, None].expand(grouped),  # (Hkv, G, C, D), stride 0 over G
-        v_slab.transpose(0, 1)[:, None].expand(grouped),
-        attn_mask=mask, is_causal=is_causal, scale=scale,
-    )  # (Hkv, G, L, D)
-    out.view(q_len, num_kv_heads, group, head_dim).copy_(attended.permute(2, 0, 1, 3))
+    rows = group * q_len
+    if k_slab.dtype != torch.float32:  # half-precision caches on CPU: compute in fp32 (copies; CPU serves fp32)
+        k_slab, v_slab = k_slab.float(), v_slab.float()
+    n_q, n_s = num_heads * q_len * head_dim, num_heads * q_len * context
+    queries = scratch[:n_q].view(num_kv_heads, group, q_len, head_dim)  # (Hkv, G, L, D)
+    scores = scratch[n_q : n_q + n_s].view(num_kv_heads, group, q_len, context)  # (Hkv, G, L, C)
+    result = scratch[n_q + n_s : 2 * n_q + n_s].view(num_kv_heads, group, q_len, head_dim)  # (Hkv, G, L, D)
+    queries.copy_(q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3))
+    queries.mul_(scale)
+    for h in range(num_kv_heads):
+        torch.mm(queries[h].view(rows, head_dim), k_slab[:, h].t(), out=scores[h].view(rows, context))
+    if q_len > 1:  # the last L keys are this chunk's own rows: mask the strict upper triangle with -inf
+        mask = scratch[2 * n_q + n_s : 2 * n_q + n_s + q_len * q_len].view(q_len, q_len)
+        mask.fill_(float("-inf")).triu_(1)
+        scores[..., context - q_len :].add_(mask)
+    torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+    for h in range(num_kv_heads):
+        torch.mm(scores[h].view(rows, context), v_slab[:, h], out=result[h].view(rows, head_dim))
+    out.view(q_len, num_kv_heads, group, head_dim).copy_(result.permute(2, 0, 1, 3))
 
 
 def slab_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                query_start: torch.Tensor, slab_offset: torch.Tensor,
-                               context_len: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """Chunked-prefill (and mixed decode) attention of flat rows q (T, H, D) over each sequence's slab."""
-    check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out)
+                               context_len: torch.Tensor, scale: float, out: torch.Tensor,
+                               workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunked-prefill (and mixed decode) attention of flat rows q (T, H, D) over each sequence's slab.
+
+    `workspace`: fp32 scratch of at least prefill_workspace_numel(T, H, D, longest context); allocated when None.
+    """
+    check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out, workspace)
     starts, offsets, contexts = query_start.tolist(), slab_offset.tolist(), context_len.tolist()
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if workspace is None:
+        longest = max([c for c in contexts] + [1])
+        workspace = torch.empty(prefill_workspace_numel(q.shape[0], num_heads, head_dim, longest), device=q.device)
     out[starts[-1]:].zero_()
     for s, (offset, context) in enumerate(zip(offsets, contexts)):
         begin, end = starts[s], starts[s + 1]
@@ -120,8 +141,12 @@ def slab_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if context < end - begin:  # padding sequence (context 0) or malformed metadata: nothing to see
             out[begin:end].zero_()
             continue
+        need = prefill_workspace_numel(end - begin, num_heads, head_dim, context)
+        if workspace.numel() < need:
+            raise ValueError(f"slab_prefill_attention: workspace holds {workspace.numel()} fp32 values, sequence {s} "
+                             f"({end - begin} rows over {context} keys) needs {need}")
         slab = slice(offset, offset + context)
-        _attend_slab(q[begin:end], k_cache[slab], v_cache[slab], scale, out[begin:end])
+        _attend_slab(q[begin:end], k_cache[slab], v_cache[slab], scale, out[begin:end], workspace)
     return out
 
 
@@ -135,5 +160,6 @@ def slab_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             out[s].zero_()
             continue
         slab = slice(offset, offset + context)
-        _attend_slab(q[s:s + 1], k_cache[slab], v_cache[slab], scale, out[s:s + 1])
+        scratch = torch.empty(prefill_workspace_numel(1, q.shape[1], q.shape[2], context), device=q.device)
+        _attend_slab(q[s:s + 1], k_cache[slab], v_cache[slab], scale, out[s:s + 1], scratch)
     return out

@@ -180,8 +180,10 @@ def _prefill_tiles(group: int) -> tuple[int, int]:
 
 def slab_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   query_start: torch.Tensor, slab_offset: torch.Tensor,
-                                  context_len: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out)
+                                  context_len: torch.Tensor, scale: float, out: torch.Tensor,
+                                  workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """`workspace` is accepted for the reference's signature and unused: the scores stay in registers."""
+    check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out, workspace)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = slab_offset.shape[0], k_cache.shape[1]
     group = num_heads // num_kv_heads

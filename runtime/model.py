@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
+from kernels.reference import prefill_workspace_numel
 from runtime.config import ModelConfig
 from runtime.rope import rope_table
 
@@ -75,6 +76,7 @@ class LlamaStep(nn.Module):
         for name, tensor in packed.items():
             self.register_buffer(_buffer_name(name), tensor, persistent=True)
         positions = rope_positions or config.context_limit
+        self.max_context = positions
         self.register_buffer("rope_cos_sin", rope_table(config, positions, freq_factors))  # (P, D) float32
 
     def weight(self, name: str) -> torch.Tensor:
@@ -94,9 +96,12 @@ class LlamaStep(nn.Module):
     ) -> torch.Tensor:                 # (R, V)
         c = self.config
         x = self.weight("embed")[input_ids]  # (T, hidden)
+        # CPU attention scratch, shared by all layers: sized for one sequence of T rows over the longest slab
+        scratch = torch.empty(prefill_workspace_numel(x.shape[0], c.num_heads, c.head_dim, self.max_context),
+                              dtype=torch.float32, device=x.device) if x.device.type == "cpu" else None
         for n in range(c.num_layers):
             x = self._attention_block(n, x, positions, slot_mapping, query_start, slab_offset, context_len,
-                                      k_cache[n], v_cache[n])
+                                      k_cache[n], v_cache[n], scratch)
             x = self._mlp_block(n, x)
         x = self._norm(x, self.weight("norm"))
         return x[logits_indices] @ self.weight("lm_head")  # (R, V)
@@ -107,7 +112,7 @@ class LlamaStep(nn.Module):
         return out
 
     def _attention_block(self, n, x, positions, slot_mapping, query_start, slab_offset, context_len, k_cache,
-                         v_cache):
+                         v_cache, scratch):
         c = self.config
         t = x.shape[0]
         qkv = self._norm(x, self.weight(f"{n}.attn_norm")) @ self.weight(f"{n}.wqkv")  # (T, q+2kv)
@@ -119,7 +124,7 @@ class LlamaStep(nn.Module):
         ops.rope(q, k, positions, self.rope_cos_sin)
         ops.kv_write(k, v, k_cache, v_cache, slot_mapping)
         attn = torch.empty(t, c.num_heads, c.head_dim, dtype=x.dtype, device=x.device)  # (T, H, D)
-        ops.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, self.scale, attn)
+        ops.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, self.scale, attn, scratch)
         return x + attn.view(t, c.q_size) @ self.weight(f"{n}.wo")
 
     def _mlp_block(self, n: int, x: torch.Tensor) -> torch.Tensor:
