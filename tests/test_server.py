@@ -384,16 +384,16 @@ def test_sigterm_drains_running_streams_then_exits_0(tmp_path):
                                  "--port", "0", "--metrics-port", "-1", "--grace-seconds", "60"],
                                 stdout=sink, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
     try:
-        address = _wait_for_line(log, "listening", proc, 60)["address"]
+        address = _wait_for_line(log, "listening", proc, 300)["address"]
         channel = grpc.insecure_channel(address)
         stub = pb_grpc.SlabServeStub(channel)
-        ready = _wait_for_line(log, "serving", proc, 60)
+        ready = _wait_for_line(log, "serving", proc, 300)
         seconds_to_serving = time.monotonic() - started
         assert _health(channel) == SERVING
         print(f"\nstart to health SERVING: {seconds_to_serving:.1f} s (server's own figure {ready['startup_s']} s)")
         # The target is 20 s (about 11 s measured on this 2-core machine when idle); the bound here only catches a
         # pathological start, since other jobs may share the cores.
-        assert seconds_to_serving < 120
+        assert seconds_to_serving < 300
         calls = [stub.Generate(pb.GenerateRequest(prompt=f"Story number {i}:",
                                                   stopping=pb.StoppingOptions(max_tokens=12, ignore_eos=True)),
                                timeout=120) for i in range(6)]
