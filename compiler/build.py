@@ -65,13 +65,13 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     # 1) the model
     model = load_model(spec, base)
     config = model.config
-    rope_positions = spec.max_context
-    # 2) weights
-    weights = weight_arena(config, spec.dtype, rope_positions)
+    # 2) weights, with a rope table for max_context positions until the slabs are known (then: the largest slab,
+    #    as runtime.engine builds it; never more bytes, so the KV budget planned below still holds)
+    weights = weight_arena(config, spec.dtype, spec.max_context)
     # 3) activations: the largest bucket traced on meta weights sizes the arena (the KV rows are not known yet)
     dtype = TORCH_DTYPES[spec.dtype]
     sizing = trace_buckets(config, dtype, spec.buckets[-1:], spec.max_seqs, kv_rows=spec.max_context,
-                           rope_positions=rope_positions)
+                           rope_positions=spec.max_context, device=spec.target.device)
     activation_bytes = shared_arena_bytes(sizing)
     # 4) staging
     staging = staging_buffers(spec, config)
@@ -79,14 +79,16 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     while True:
         slabs = plan_slabs_for(spec, config, weights.arena_bytes, activation_bytes, staging.total_bytes)
         kv = kv_arena(config, spec.kv_dtype, slabs)
+        rope_positions = slabs.max_request_tokens
         traced = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows,
-                               rope_positions=rope_positions)
-        _check_same_activations(sizing, traced[-1:])
+                               rope_positions=rope_positions, device=spec.target.device)
+        _check_same_activations(sizing, traced[-1:], spec.target.device)
         activations = activation_arena(traced)
         if activations.arena_bytes <= activation_bytes:
             break
         activation_bytes = activations.arena_bytes  # a smaller bucket needs more than the largest: plan again
     # 6) totals
+    weights = weight_arena(config, spec.dtype, rope_positions)
     totals = _totals(spec, weights.arena_bytes, kv.arena_bytes, activations.arena_bytes, staging.total_bytes)
     if not totals.fits:
         raise fit.FitError(fit.report(spec, totals, slabs))
@@ -226,7 +228,9 @@ def shared_arena_bytes(traced: list[TracedBucket]) -> int:
     return activation_arena(traced).arena_bytes
 
 
-def _check_same_activations(sizing: list[TracedBucket], traced: list[TracedBucket]) -> None:
+def _check_same_activations(sizing: list[TracedBucket], traced: list[TracedBucket], device: str) -> None:
+    if device == "cpu":
+        return  # the CPU attention scratch grows with the rope positions (the largest slab): sized again below
     for a, b in zip(sizing, traced):
         if a.tensors != b.tensors:
             raise BuildError(f"bucket {a.tokens}: the step's intermediates changed with the KV rows "
@@ -240,10 +244,11 @@ def _check_same_activations(sizing: list[TracedBucket], traced: list[TracedBucke
 def staging_buffers(spec: Spec, config: ModelConfig) -> P.Staging:
     """Bytes of runtime.step.StepInputs for every bucket and of runtime.sampler.Sampler, as those classes make
     them: per bucket 3 (T,) int64 + (S+1,) int32 + 2 (S,) int64 + (S,) int32; the sampler's (S, V) buffers are
-    three float32, one int64 and two bool, plus an int64 arange of V and per-row scalars."""
+    three float32, one int64 and two bool, plus an int64 arange of V and per-row scalars; the engine's (S, V)
+    float32 rows picked for sampling."""
     s, v = spec.max_seqs, config.vocab_size
     step_inputs = sum(24 * t + 4 * (s + 1) + 16 * s + 4 * s for t in spec.buckets)
-    sampler = s * v * (3 * 4 + 8 + 2 * 1) + 8 * v + s * (4 + 4 + 8 + 4 + 4 + 4 + 8 + 8 + 8)
+    sampler = s * v * (3 * 4 + 8 + 2 * 1 + 4) + 8 * v + s * (4 + 4 + 8 + 4 + 4 + 4 + 8 + 8 + 8)
     return P.Staging(step_inputs_bytes=step_inputs, sampler_bytes=sampler, total_bytes=step_inputs + sampler)
 
 

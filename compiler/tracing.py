@@ -1,10 +1,13 @@
 """The step traced at every bucket, as the planners see it: intermediates with lifetimes, and a graph fingerprint.
 
-Contract: `trace_buckets(config, dtype, buckets, max_seqs, kv_rows, rope_positions)` exports the runtime's step
-(runtime.trace) once per bucket on a step whose weights live on the `meta` device, so no weight is read and no
-memory is used whatever the target: a CPU-only machine traces an 8B model for an H100. The graph does not depend
-on the device (the `slabserve::` ops are single nodes on every backend, and runtime.trace's fingerprint leaves
-devices out), so a meta trace is the graph the server traces at start-up with real weights.
+Contract: `trace_buckets(config, dtype, buckets, max_seqs, kv_rows, rope_positions, device)` exports the
+runtime's step (runtime.trace) once per bucket without reading a weight or allocating memory, whatever the model
+and the target, so a CPU-only machine traces an 8B model for an H100:
+- for a `cuda` target, on a step whose weights live on the `meta` device (runtime.trace.meta_step): the step takes
+  the same branches on meta as on CUDA, and the fingerprint leaves devices out;
+- for a `cpu` target, under a FakeTensorMode with CPU fake weights and inputs: the step takes its CPU branches
+  (the CPU attention scratch is a graph node there and not on CUDA), so the graph is the one the server traces at
+  start-up with real weights, fingerprint included (tests/test_build_plan.py checks both agree).
 
 The activations do not depend on `kv_rows` (the KV caches are graph inputs); the fingerprint does, through the
 caches' shapes. The compiler therefore traces once to size the activation arena, plans the KV slabs in what is
@@ -18,7 +21,8 @@ from typing import Any, Sequence
 import torch
 
 from runtime.config import ModelConfig
-from runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
+from runtime.model import LlamaStep
+from runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step, packed_shapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +45,21 @@ class TracedBucket:
 
 
 def trace_buckets(config: ModelConfig, dtype: torch.dtype, buckets: Sequence[int], max_seqs: int, *,
-                  kv_rows: int, rope_positions: int) -> list[TracedBucket]:
-    step = meta_step(config, dtype, rope_positions)
-    return [trace_bucket(step, tokens, max_seqs, kv_rows) for tokens in buckets]
+                  kv_rows: int, rope_positions: int, device: str) -> list[TracedBucket]:
+    if device != "cpu":
+        step = meta_step(config, dtype, rope_positions)
+        return [trace_bucket(step, tokens, max_seqs, kv_rows) for tokens in buckets]
+    # torch.export's own fake-tensor machinery; a private module, but the one export itself runs on
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config).items()}
+        step = LlamaStep(config, packed, rope_positions)
+        return [trace_bucket(step, tokens, max_seqs, kv_rows) for tokens in buckets]
 
 
-def trace_bucket(step, tokens: int, max_seqs: int, kv_rows: int) -> TracedBucket:
-    program = export_step(step, tokens, max_seqs, kv_rows, device="meta")
+def trace_bucket(step: LlamaStep, tokens: int, max_seqs: int, kv_rows: int) -> TracedBucket:
+    program = export_step(step, tokens, max_seqs, kv_rows)
     tensors = tuple(Intermediate(name=t.name, shape=tuple(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
                                  first_use=t.first_use, last_use=t.last_use) for t in activation_tensors(program))
     return TracedBucket(tokens=tokens, tensors=tensors, fingerprint=graph_fingerprint(program), program=program,

@@ -111,6 +111,37 @@ def test_servable_plan_from_weights(tmp_path):
     assert names[:2] == ["embed", "0.wqkv"] and names[-2:] == ["lm_head", "rope_cos_sin"]
     write_bundle(built, tmp_path / "b")
     assert read_plan(tmp_path / "b") == plan
+    _run_with_plan(folder, plan)
+
+
+def _run_with_plan(folder: Path, plan) -> None:
+    """The runtime's own trace of the real-weight step matches the plan's fingerprints, and the planned executor
+    with the plan's offsets gives the eager step's logits."""
+    import torch
+
+    from runtime.executor import ActivationPlan, PlannedExecutor
+    from runtime.loader import open_model
+    from runtime.model import build_step
+    from runtime.step import SeqChunk, StepInputs
+    from runtime.trace import export_step, graph_fingerprint
+
+    e = plan.engine
+    step = build_step(open_model(folder), torch.float32, rope_positions=e.rope_positions)
+    programs = {b: export_step(step, b, e.max_seqs, plan.kv.rows) for b in e.buckets}
+    for layout in plan.activations.buckets:
+        assert graph_fingerprint(programs[layout.tokens]) == layout.graph_fingerprint, layout.tokens
+    offsets = {b.tokens: {t.name: t.offset for t in b.tensors} for b in plan.activations.buckets}
+    executor = PlannedExecutor.allocate(programs, ActivationPlan(plan.activations.arena_bytes, offsets))
+    assert executor.arena.numel() == plan.totals.activations_bytes
+    kv_shape = (plan.kv.num_layers, plan.kv.rows, plan.kv.num_kv_heads, plan.kv.head_dim)  # (L, N, Hkv, D)
+    inputs = StepInputs(e.step_tokens, e.max_seqs)
+    inputs.fill([SeqChunk(slab_offset=c.row_offset, start_pos=0, token_ids=[3 + i, 5, 7])
+                 for i, c in enumerate(plan.kv.classes[:2])])
+    caches = [torch.zeros(kv_shape), torch.zeros(kv_shape)]
+    planned = executor.run(e.step_tokens, inputs.tensors(), *caches).clone()
+    caches = [torch.zeros(kv_shape), torch.zeros(kv_shape)]
+    eager = step(**inputs.tensors(), k_cache=caches[0], v_cache=caches[1])
+    torch.testing.assert_close(planned, eager)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,6 +158,7 @@ def test_llama3_8b_h100_exact_bytes():
     params = sum(math.prod(s) for s in c.weight_shapes().values())
     assert params == 8_030_261_248
     assert plan.weights.parameter_bytes == params * 2
+    assert plan.engine.rope_positions == plan.capacity.max_request_tokens == 8192
     assert plan.weights.arena_bytes == params * 2 + 8192 * c.head_dim * 4
     # KV: K and V, each (L, N, Hkv, D) bf16, N = the planned slab rows
     rows = sum(k.tokens * k.count for k in plan.kv.classes)
