@@ -36,7 +36,7 @@ demo: $(STAMP)
 	@set -e; mkdir -p build; \
 	$(VENV)/bin/slabserve serve build/smollm2 --port $(DEMO_PORT) --metrics-port $(DEMO_METRICS_PORT) \
 		> build/demo-server.log 2>&1 & pid=$$!; \
-	trap 'kill -TERM $$pid 2>/dev/null && wait $$pid 2>/dev/null; echo "server stopped"' EXIT; \
+	trap 'kill -TERM $$pid 2>/dev/null || true; wait $$pid 2>/dev/null || true; echo "server stopped"' EXIT; \
 	trap 'exit 130' INT TERM; \
 	echo "server pid $$pid starting (log: build/demo-server.log); waiting up to $(DEMO_WAIT_S) s for health SERVING"; \
 	if ! $(PY) -m runtime.client health --addr 127.0.0.1:$(DEMO_PORT) --wait $(DEMO_WAIT_S) --pid $$pid; then \
