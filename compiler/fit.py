@@ -115,7 +115,9 @@ def fewer_slabs(classes: Sequence[tuple[int, int]], bytes_per_token: int, excess
             freed += drop * slab
         if freed >= excess:
             break
-    return "; ".join(parts) if freed >= excess else ""
+    if freed < excess or sum(n for _, n in classes) == sum(int(p.split()[0]) for p in parts):
+        return ""  # not even dropping every slab is enough, or it would leave none
+    return "; ".join(parts)
 
 
 def _bigger_target(u: Usage, need: int) -> str:
@@ -153,4 +155,9 @@ def check_plan_against(plan: P.Plan, memory_bytes: int, reserve_bytes: int, devi
         return True, "\n".join(lines)
     lines.append(f"does not fit {label}: it needs {format_bytes(u.excess)} ({u.excess} bytes) more")
     lines += consumers(u) + suggestions(u, kv_budget_set=False)
+    left = memory_bytes - reserve_bytes - t.weights_bytes - t.activations_bytes - t.staging_bytes
+    if left > 0:
+        key = "target.gpu" if device == "cuda" and label in GPUS else "target"
+        lines.append(f"    - or rebuild the plan for it ({key}: {label}): the slab planner then sizes the KV arena "
+                     f"to the {format_bytes(left)} left after weights, activations and staging")
     return False, "\n".join(lines)
