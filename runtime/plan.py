@@ -222,6 +222,15 @@ class Plan:
     totals: Totals
     capacity: Capacity
 
+    def activation_offsets(self) -> dict[int, dict[str, int]]:
+        """bucket tokens -> traced node name -> byte offset in the activation arena (runtime.executor.ActivationPlan
+        takes this with `activations.arena_bytes`)."""
+        return {b.tokens: {t.name: t.offset for t in b.tensors} for b in self.activations.buckets}
+
+    def slab_classes(self) -> tuple[tuple[int, int], ...]:
+        """(tokens, count) per slab class, in arena order (runtime.slab_allocator.SlabClass's fields)."""
+        return tuple((c.tokens, c.count) for c in self.kv.classes)
+
 
 _SIGNED = {("Totals", "headroom_bytes")}  # the only int allowed below zero
 

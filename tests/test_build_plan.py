@@ -74,7 +74,9 @@ def test_golden_tiny_plan(tiny_bundle):
         golden.write_text("# Expected plan of tests/golden/tiny-llama.yaml (toolchain versions masked). Rewrite it "
                           "with SLABSERVE_UPDATE_GOLDEN=1 and review the diff.\n"
                           + yaml.safe_dump(got, sort_keys=True, default_flow_style=None, width=120))
-    assert got == yaml.safe_load(golden.read_text()), "the plan changed; review and update the golden plan"
+    assert got == yaml.safe_load(golden.read_text()), (
+        "the tiny plan changed (the step's graph, a planner or the schema did): if intended, rerun with "
+        "SLABSERVE_UPDATE_GOLDEN=1 pytest tests/test_build_plan.py -k golden and review the golden's diff")
 
 
 def test_bundle_files(tiny_bundle):
@@ -130,8 +132,8 @@ def _run_with_plan(folder: Path, plan) -> None:
     programs = {b: export_step(step, b, e.max_seqs, plan.kv.rows) for b in e.buckets}
     for layout in plan.activations.buckets:
         assert graph_fingerprint(programs[layout.tokens]) == layout.graph_fingerprint, layout.tokens
-    offsets = {b.tokens: {t.name: t.offset for t in b.tensors} for b in plan.activations.buckets}
-    executor = PlannedExecutor.allocate(programs, ActivationPlan(plan.activations.arena_bytes, offsets))
+    executor = PlannedExecutor.allocate(programs, ActivationPlan(plan.activations.arena_bytes,
+                                                                 plan.activation_offsets()))
     assert executor.arena.numel() == plan.totals.activations_bytes
     kv_shape = (plan.kv.num_layers, plan.kv.rows, plan.kv.num_kv_heads, plan.kv.head_dim)  # (L, N, Hkv, D)
     inputs = StepInputs(e.step_tokens, e.max_seqs)
