@@ -63,6 +63,10 @@ def _comparable(data: dict) -> dict:
     data = copy.deepcopy(data)
     for key in VOLATILE:
         data["fingerprints"][key] = "<toolchain>"
+    # Graph fingerprints change with any edit of the step, even one that moves no byte; that they match the
+    # runtime's own trace is test_servable_plan_from_weights' job. The golden pins the memory layout.
+    for bucket in data["activations"]["buckets"]:
+        bucket["graph_fingerprint"] = "<graph>"
     return data
 
 
