@@ -31,6 +31,7 @@ from kernels.reference import (
     slab_decode_attention_ref,
     slab_prefill_attention_ref,
     prefill_workspace_numel,
+    cpu_workspace_numel,
 )
 from kernels.workspace import DecodeWorkspaceSpec, decode_num_splits, decode_workspace_shape, new_decode_workspace
 
@@ -45,7 +46,7 @@ _TRITON_EXPORTS = {
 
 __all__ = [
     "rms_norm", "rope", "silu_mul", "kv_write", "slab_prefill_attention", "slab_decode_attention",
-    "rms_norm_ref", "rope_ref", "silu_mul_ref", "kv_write_ref", "slab_prefill_attention_ref", "prefill_workspace_numel",
+    "rms_norm_ref", "rope_ref", "silu_mul_ref", "kv_write_ref", "slab_prefill_attention_ref", "prefill_workspace_numel", "cpu_workspace_numel",
     "slab_decode_attention_ref",
     *_TRITON_EXPORTS,
     "DecodeWorkspaceSpec", "decode_num_splits", "decode_workspace_shape", "new_decode_workspace",

@@ -30,37 +30,37 @@ _LIB = "slabserve"
 
 # --- rms_norm -------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{_LIB}::rms_norm", mutates_args=("out",), device_types="cpu")
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
-    reference.rms_norm_ref(x, weight, eps, out)
+@torch.library.custom_op(f"{_LIB}::rms_norm", mutates_args=("out", "workspace"), device_types="cpu")
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
+    reference.rms_norm_ref(x, weight, eps, out, workspace)
 
 
 @_rms_norm_op.register_kernel("cuda")
-def _rms_norm_cuda(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+def _rms_norm_cuda(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
     from kernels.triton_rmsnorm import rms_norm_triton
     rms_norm_triton(x, weight, eps, out)
 
 
 @_rms_norm_op.register_fake
-def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
     contracts.check_rms_norm(x, weight, out)
 
 
 # --- rope -----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{_LIB}::rope", mutates_args=("q", "k"), device_types="cpu")
-def _rope_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
-    reference.rope_ref(q, k, positions, cos_sin)
+@torch.library.custom_op(f"{_LIB}::rope", mutates_args=("q", "k", "workspace"), device_types="cpu")
+def _rope_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspace: Optional[Tensor] = None) -> None:
+    reference.rope_ref(q, k, positions, cos_sin, workspace)
 
 
 @_rope_op.register_kernel("cuda")
-def _rope_cuda(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+def _rope_cuda(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspace: Optional[Tensor] = None) -> None:
     from kernels.triton_rope import rope_triton
     rope_triton(q, k, positions, cos_sin)
 
 
 @_rope_op.register_fake
-def _rope_fake(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+def _rope_fake(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspace: Optional[Tensor] = None) -> None:
     contracts.check_rope(q, k, positions, cos_sin)
 
 
@@ -147,18 +147,18 @@ def _slab_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: 
 
 # --- the functions models call ----------------------------------------------------------------------------
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> Tensor:
     """x (T, N), weight (N,), out (T, N): RMSNorm into out."""
-    torch.ops.slabserve.rms_norm(x, weight, eps, out)
+    torch.ops.slabserve.rms_norm(x, weight, eps, out, workspace)
     return out
 
 
-def rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+def rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspace: Optional[Tensor] = None) -> None:
     """q (T, H, D), k (T, Hkv, D) rotated in place (neox rotate_half) at positions (T,) int64.
 
     cos_sin (P, D) float32: cos_sin[p, :D/2] = cos(p * inv_freq), cos_sin[p, D/2:] = sin(p * inv_freq).
     """
-    torch.ops.slabserve.rope(q, k, positions, cos_sin)
+    torch.ops.slabserve.rope(q, k, positions, cos_sin, workspace)
 
 
 def silu_mul(gate_up: Tensor, out: Tensor) -> Tensor:

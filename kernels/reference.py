@@ -27,34 +27,70 @@ from kernels.contracts import (
 )
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    """out = x / sqrt(mean(x^2) + eps) * weight, with the statistic in fp32."""
+def cpu_workspace_numel(num_tokens: int, num_heads: int, head_dim: int, max_context: int) -> int:
+    """fp32 elements of the one scratch buffer the CPU references share within a step (ops run one at a time):
+    enough for attention over the longest slab, for RoPE's rotation and for RMSNorm's row statistics."""
+    return max(prefill_workspace_numel(num_tokens, num_heads, head_dim, max_context),
+               num_tokens * head_dim + 3 * num_tokens * num_heads * (head_dim // 2), 2 * num_tokens)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                 workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """out = x / sqrt(mean(x^2) + eps) * weight, with the statistic in fp32 (in `workspace` when given).
+
+    No op here takes a Python number as an operand: ATen wraps such a number in a new scalar tensor, which is
+    an allocation. eps enters as a filled workspace row instead.
+    """
     check_rms_norm(x, weight, out)
-    hidden = x.shape[1]
-    inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # (T, 1)
-    inv_rms.square_().div_(hidden).add_(eps).rsqrt_()
-    torch.mul(x, inv_rms, out=out)  # fp32 product rounded to x.dtype, as HF does before the weight
+    num_tokens, hidden = x.shape
+    variance = _scratch(workspace, 0, num_tokens, x.device).view(num_tokens, 1)  # (T, 1) fp32
+    eps_col = _scratch(workspace, num_tokens, num_tokens, x.device).view(num_tokens, 1).fill_(eps)  # (T, 1)
+    if x.dtype == torch.float32:  # sum of squares; `out` holds x^2 meanwhile (mean() would divide by a Python int)
+        torch.sum(torch.mul(x, x, out=out), dim=-1, keepdim=True, out=variance)
+    else:  # half precision: square and sum in fp32 without an fp32 copy of x
+        torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32, out=variance)
+        variance.square_()
+    torch.add(eps_col, variance, alpha=1.0 / hidden, out=variance)  # mean + eps
+    variance.rsqrt_()
+    torch.mul(x, variance, out=out)  # fp32 product rounded to x.dtype, as HF does before the weight
     return out.mul_(weight)
 
 
-def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def _scratch(workspace: torch.Tensor | None, start: int, numel: int, device: torch.device) -> torch.Tensor:
+    """fp32 elements [start, start + numel) of the caller's workspace, or a new buffer when there is none."""
+    if workspace is None:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    if workspace.numel() < start + numel:
+        raise ValueError(f"workspace holds {workspace.numel()} fp32 values, {start + numel} needed "
+                         f"(size it with kernels.cpu_workspace_numel)")
+    return workspace[start : start + numel]
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+             workspace: torch.Tensor | None = None) -> None:
     """Rotate q and k in place, neox "rotate_half" style, at the given positions.
 
     For d < D/2 with x1 = x[..., d], x2 = x[..., d + D/2]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, where
     cos_sin (P, D) float32 holds cos(p * inv_freq) in its first D/2 columns and sin(p * inv_freq) in the rest.
+    Rotation in fp32, rounded once; temporaries live in `workspace` when given.
     """
     check_rope(q, k, positions, cos_sin)
-    half = q.shape[2] // 2
-    table = cos_sin.index_select(0, positions)  # (T, D) fp32
+    num_tokens, _, head_dim = q.shape
+    half = head_dim // 2
+    table = _scratch(workspace, 0, num_tokens * head_dim, q.device).view(num_tokens, head_dim)  # (T, D) fp32
+    torch.index_select(cos_sin, 0, positions, out=table)
     cos, sin = table[:, None, :half], table[:, None, half:]  # (T, 1, D/2)
     for x in (q, k):
-        x1, x2 = x[..., :half], x[..., half:]  # (T, H, D/2) views
-        a = x1.to(torch.float32, copy=True)  # copies: x1 is overwritten before x2 is computed
-        b = x2.to(torch.float32, copy=True)
-        rotated = torch.mul(a, cos)
-        x1.copy_(rotated.addcmul_(b, sin, value=-1.0))
-        torch.mul(b, cos, out=rotated)
-        x2.copy_(rotated.addcmul_(a, sin))
+        n = x.shape[0] * x.shape[1] * half
+        a, b, r = (_scratch(workspace, num_tokens * head_dim + i * n, n, q.device).view(x.shape[0], x.shape[1], half)
+                   for i in range(3))  # (T, h, D/2) each
+        x1, x2 = x[..., :half], x[..., half:]  # (T, h, D/2) views
+        a.copy_(x1)  # originals: x1 is overwritten before x2 is computed
+        b.copy_(x2)
+        torch.mul(a, cos, out=r)
+        x1.copy_(r.addcmul_(b, sin, value=-1.0))
+        torch.mul(b, cos, out=r)
+        x2.copy_(r.addcmul_(a, sin))
 
 
 def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -67,17 +103,25 @@ def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """k_cache[slot_mapping[t]] = k[t] (same for v), skipping rows whose slot is -1."""
+    """k_cache[slot_mapping[t]] = k[t] (same for v), skipping rows whose slot is -1.
+
+    A sequence's new rows go to consecutive slots, so the rows are copied as runs of consecutive slots: a few
+    slice copies per step and no index tensors.
+    """
     check_kv_write(k, v, k_cache, v_cache, slot_mapping)
-    valid = slot_mapping >= 0  # (T,)
-    if bool(valid.all()):
-        k_cache.index_copy_(0, slot_mapping, k)
-        v_cache.index_copy_(0, slot_mapping, v)
-        return
-    rows = valid.nonzero().squeeze(1)  # (T_valid,)
-    slots = slot_mapping.index_select(0, rows)
-    k_cache.index_copy_(0, slots, k.index_select(0, rows))
-    v_cache.index_copy_(0, slots, v.index_select(0, rows))
+    slots = slot_mapping.tolist()
+    t = 0
+    while t < len(slots):
+        if slots[t] < 0:
+            t += 1
+            continue
+        end = t + 1
+        while end < len(slots) and slots[end] == slots[end - 1] + 1:
+            end += 1
+        first = slots[t]
+        k_cache[first : first + end - t].copy_(k[t:end])
+        v_cache[first : first + end - t].copy_(v[t:end])
+        t = end
 
 
 def prefill_workspace_numel(num_tokens: int, num_heads: int, head_dim: int, max_context: int) -> int:
@@ -106,9 +150,9 @@ def _attend_slab(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, sc
     scores = scratch[n_q : n_q + n_s].view(num_kv_heads, group, q_len, context)  # (Hkv, G, L, C)
     result = scratch[n_q + n_s : 2 * n_q + n_s].view(num_kv_heads, group, q_len, head_dim)  # (Hkv, G, L, D)
     queries.copy_(q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3))
-    queries.mul_(scale)
-    for h in range(num_kv_heads):
-        torch.mm(queries[h].view(rows, head_dim), k_slab[:, h].t(), out=scores[h].view(rows, context))
+    for h in range(num_kv_heads):  # scores = scale * q k^T; alpha is passed through (a Python operand would allocate)
+        s_h = scores[h].view(rows, context)
+        torch.addmm(s_h, queries[h].view(rows, head_dim), k_slab[:, h].t(), beta=0.0, alpha=scale, out=s_h)
     if q_len > 1:  # the last L keys are this chunk's own rows: mask the strict upper triangle with -inf
         mask = scratch[2 * n_q + n_s : 2 * n_q + n_s + q_len * q_len].view(q_len, q_len)
         mask.fill_(float("-inf")).triu_(1)

@@ -26,7 +26,9 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_out, hidden, e
     tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                    workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """`workspace` matches the reference's signature; the kernel keeps its statistics in registers."""
     check_rms_norm(x, weight, out)
     num_tokens, hidden = x.shape
     if num_tokens:

@@ -43,7 +43,9 @@ def _rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_qt, stride_qh,
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, half, cos, sin, BLOCK_HK, BLOCK_HALF)
 
 
-def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                workspace: torch.Tensor | None = None) -> None:
+    """`workspace` matches the reference's signature; the kernel rotates in registers."""
     check_rope(q, k, positions, cos_sin)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens:

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from runtime.executor import (KERNEL_TEMPORARIES, ActivationPlan, CudaGraphRunner, PlannedExecutor,
+from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                               check_no_allocations, plan_sequential)
 from runtime.loader import GGUFSource, WeightSource, open_model
 from runtime.model import build_step
 from runtime.sampler import Sampler, SamplingParams, make_generator
 from runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
 from runtime.slab_allocator import SlabClass
-from runtime.step import StepInputs
+from runtime.step import SeqChunk, StepInputs
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from runtime.trace import export_step
 
@@ -235,21 +235,33 @@ class Engine:
         return self.sampler.sample(picked, params, generators).tolist()
 
     def _warm_up(self) -> None:
-        """Run every bucket on padding-only inputs (first runs bind the graphs and initialize libraries), then
-        again under the allocation check with greedy and random sampling; refuse to serve if anything allocates.
-        On CPU the kernels' reference temporaries are tolerated (runtime.executor.KERNEL_TEMPORARIES)."""
+        """Run every bucket full of real tokens (first runs bind the graphs and initialize libraries), then again
+        under the allocation check with greedy and random sampling; refuse to serve if anything allocates.
+        The warm-up writes K/V rows of free slabs only; a request's prefill overwrites them before it reads."""
         params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
         generators = [make_generator(0), make_generator(1)]
         rows = list(range(min(2, self.config.max_seqs)))
-        for inputs in self.inputs.values():
-            inputs.fill([])
+        for bucket, inputs in self.inputs.items():
+            inputs.fill(self._warm_up_chunks(bucket))
         def every_bucket() -> None:
             for bucket in self.inputs:
                 logits = self._run_step(bucket)
                 self._sample_rows(logits, rows, params[: len(rows)], generators[: len(rows)])
         every_bucket()
-        exempt = () if self.k_cache.is_cuda else KERNEL_TEMPORARIES
-        check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up", exempt)
+        check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up")
+
+    def _warm_up_chunks(self, bucket: int) -> list[SeqChunk]:
+        """`bucket` tokens spread over free slabs (at most max_seqs), each slab filled from position 0."""
+        chunks, left, offset = [], bucket, 0
+        for slab_class in self.config.classes:
+            for _ in range(slab_class.count):
+                if left == 0 or len(chunks) == self.config.max_seqs:
+                    return chunks
+                n = min(left, slab_class.tokens)
+                chunks.append(SeqChunk(offset, 0, [0] * n, slab_class.tokens))
+                left -= n
+                offset += slab_class.tokens
+        return chunks
 
     def _token_event(self, request_id: str, token_id: int, finished: FinishReason | None) -> GenerationEvent:
         live = self._live[request_id]

@@ -304,12 +304,6 @@ class Allocation:
         return bool(self.ops) and self.ops[0].startswith(prefixes)
 
 
-# Allocations the engine tolerates for now, by outermost op: the CPU references of the kernels (kernels/reference.py)
-# make small temporaries (SDPA's buffers, fp32 copies in rope and rms_norm, kv_write's index lists) that are freed
-# before the op returns. Zero allocation on CPU needs them to write into planned workspaces instead.
-KERNEL_TEMPORARIES = ("slabserve::",)
-
-
 def allocations(fn: Callable[[], object], steps: int = 1, single_thread: bool = True) -> list[Allocation]:
     """Run `fn` `steps` times under the profiler's memory events; every CPU/CUDA tensor storage allocated meanwhile
     (an empty list: nothing was allocated).
@@ -343,15 +337,14 @@ def _allocation_events(events, ops: tuple[str, ...]):
             yield from _allocation_events(event.children, ops + (event.name,))
 
 
-def count_allocations(fn: Callable[[], object], steps: int = 1, exempt: tuple[str, ...] = ()) -> int:
-    """How many tensor storages `steps` calls of `fn` create (see `allocations`), except those made under an op
-    whose name starts with one of `exempt`."""
-    return sum(1 for a in allocations(fn, steps) if not a.under(exempt))
+def count_allocations(fn: Callable[[], object], steps: int = 1) -> int:
+    """How many tensor storages `steps` calls of `fn` create (see `allocations`)."""
+    return len(allocations(fn, steps))
 
 
-def check_no_allocations(fn: Callable[[], object], steps: int, what: str, exempt: tuple[str, ...] = ()) -> None:
-    """Raise PlanViolationError if `steps` calls of `fn` create any tensor storage (outside `exempt` ops)."""
-    found = [a for a in allocations(fn, steps) if not a.under(exempt)]
+def check_no_allocations(fn: Callable[[], object], steps: int, what: str) -> None:
+    """Raise PlanViolationError if `steps` calls of `fn` create any tensor storage."""
+    found = allocations(fn, steps)
     if found:
         where = sorted({" > ".join(a.ops) or "(no op)" for a in found})
         raise PlanViolationError(f"{what} created {len(found)} tensor storages in {steps} steps "

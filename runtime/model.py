@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
-from kernels.reference import prefill_workspace_numel
+from kernels.reference import cpu_workspace_numel
 from runtime.config import ModelConfig
 from runtime.rope import rope_table
 
@@ -96,39 +96,40 @@ class LlamaStep(nn.Module):
     ) -> torch.Tensor:                 # (R, V)
         c = self.config
         x = self.weight("embed")[input_ids]  # (T, hidden)
-        # CPU attention scratch, shared by all layers: sized for one sequence of T rows over the longest slab
-        scratch = torch.empty(prefill_workspace_numel(x.shape[0], c.num_heads, c.head_dim, self.max_context),
+        # The CPU references' scratch, shared by every op of every layer (they run one at a time); a planned
+        # intermediate like any other. Attention over the longest slab sizes it. CUDA kernels need none.
+        scratch = torch.empty(cpu_workspace_numel(x.shape[0], c.num_heads, c.head_dim, self.max_context),
                               dtype=torch.float32, device=x.device) if x.device.type == "cpu" else None
         for n in range(c.num_layers):
             x = self._attention_block(n, x, positions, slot_mapping, query_start, slab_offset, context_len,
                                       k_cache[n], v_cache[n], scratch)
-            x = self._mlp_block(n, x)
-        x = self._norm(x, self.weight("norm"))
+            x = self._mlp_block(n, x, scratch)
+        x = self._norm(x, self.weight("norm"), scratch)
         return x[logits_indices] @ self.weight("lm_head")  # (R, V)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty_like(x)
-        ops.rms_norm(x, weight, self.config.rms_norm_eps, out)
+        ops.rms_norm(x, weight, self.config.rms_norm_eps, out, scratch)
         return out
 
     def _attention_block(self, n, x, positions, slot_mapping, query_start, slab_offset, context_len, k_cache,
                          v_cache, scratch):
         c = self.config
         t = x.shape[0]
-        qkv = self._norm(x, self.weight(f"{n}.attn_norm")) @ self.weight(f"{n}.wqkv")  # (T, q+2kv)
+        qkv = self._norm(x, self.weight(f"{n}.attn_norm"), scratch) @ self.weight(f"{n}.wqkv")  # (T, q+2kv)
         if c.qkv_bias:
             qkv = qkv + self.weight(f"{n}.bqkv")
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)  # (T, H, D)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)  # (T, Hkv, D)
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # (T, Hkv, D)
-        ops.rope(q, k, positions, self.rope_cos_sin)
+        ops.rope(q, k, positions, self.rope_cos_sin, scratch)
         ops.kv_write(k, v, k_cache, v_cache, slot_mapping)
         attn = torch.empty(t, c.num_heads, c.head_dim, dtype=x.dtype, device=x.device)  # (T, H, D)
         ops.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, self.scale, attn, scratch)
         return x + attn.view(t, c.q_size) @ self.weight(f"{n}.wo")
 
-    def _mlp_block(self, n: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._norm(x, self.weight(f"{n}.ffn_norm")) @ self.weight(f"{n}.wgate_up")  # (T, 2I)
+    def _mlp_block(self, n: int, x: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+        gate_up = self._norm(x, self.weight(f"{n}.ffn_norm"), scratch) @ self.weight(f"{n}.wgate_up")  # (T, 2I)
         act = torch.empty(x.shape[0], self.config.intermediate_size, dtype=x.dtype, device=x.device)  # (T, I)
         ops.silu_mul(gate_up, act)
         return x + act @ self.weight(f"{n}.wdown")
