@@ -17,14 +17,11 @@ Phases:
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import msgpack
 import torch
 
 from compiler import fit
@@ -125,22 +122,8 @@ def load_model(spec: Spec, base: Path) -> ModelInputs:
 
 def fingerprints(spec: Spec, config: ModelConfig, weights_hash: str | None) -> P.Fingerprints:
     return P.Fingerprints(
-        model_config=config_fingerprint(config), weights=weights_hash, torch=str(torch.__version__),
+        model_config=P.config_fingerprint(config), weights=weights_hash, torch=str(torch.__version__),
         triton=_version("triton"), device=spec.target.gpu or spec.target.device)
-
-
-def config_fingerprint(config: ModelConfig) -> str:
-    """sha256 of the config as canonical msgpack (sorted keys; tuples as lists)."""
-    data = msgpack.packb(_sorted(asdict(config)), use_bin_type=True)
-    return hashlib.sha256(data).hexdigest()
-
-
-def _sorted(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _sorted(value[k]) for k in sorted(value)}
-    if isinstance(value, (list, tuple)):
-        return [_sorted(v) for v in value]
-    return value
 
 
 def _version(dist: str) -> str | None:

@@ -268,6 +268,12 @@ def plan_id(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def config_fingerprint(config: Any) -> str:
+    """sha256 of a model config (runtime.config.ModelConfig, a dataclass) as canonical msgpack: the plan's
+    `fingerprints.model_config`, computed the same way by the compiler and by the server that checks it."""
+    return hashlib.sha256(_pack(_to_data(config))).hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Reading
 

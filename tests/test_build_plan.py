@@ -131,8 +131,13 @@ def _run_with_plan(folder: Path, plan) -> None:
     from runtime.step import SeqChunk, StepInputs
     from runtime.trace import export_step, graph_fingerprint
 
+    from runtime.plan import config_fingerprint
+
     e = plan.engine
-    step = build_step(open_model(folder), torch.float32, rope_positions=e.rope_positions)
+    source = open_model(folder)
+    assert plan.fingerprints.model_config == config_fingerprint(source.config)
+    assert plan.fingerprints.weights == source.content_hash()
+    step = build_step(source, torch.float32, rope_positions=e.rope_positions)
     programs = {b: export_step(step, b, e.max_seqs, plan.kv.rows) for b in e.buckets}
     for layout in plan.activations.buckets:
         assert graph_fingerprint(programs[layout.tokens]) == layout.graph_fingerprint, layout.tokens
