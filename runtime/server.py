@@ -583,7 +583,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--grace-seconds", type=float, default=30.0,
                         help="on SIGTERM, how long running streams may take to finish")
     parser.add_argument("--max-message-bytes", type=int, default=Limits().max_message_bytes)
-    # Development only, until plan bundles load: build the engine from a model file and explicit sizes.
+    # Development and tests: build the engine from a model file and explicit sizes instead of a plan bundle.
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--classes", default="256x8,1024x4,2048x2", help=argparse.SUPPRESS)  # TOKENSxCOUNT,...
     parser.add_argument("--max-seqs", type=int, default=16, help=argparse.SUPPRESS)
@@ -598,10 +598,15 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def _engine_from_args(args: argparse.Namespace) -> Engine:
     if args.bundle is not None:
-        from_plan = getattr(Engine, "from_plan", None)
-        if from_plan is None:
-            raise SystemExit("slabserve serve: this build cannot load plan bundles yet (Engine.from_plan is missing)")
-        return from_plan(args.bundle)
+        from runtime.config import ModelLoadError
+        from runtime.engine import PlanMismatchError
+        from runtime.executor import PlanViolationError
+        from runtime.plan import PlanFormatError
+
+        try:
+            return Engine.from_plan(args.bundle)
+        except (PlanFormatError, PlanMismatchError, PlanViolationError, ModelLoadError) as err:
+            raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
     classes = []
     for item in args.classes.split(","):
         tokens, _, count = item.partition("x")
