@@ -519,11 +519,11 @@ class SlabServer:
             self._stop_metrics = self.metrics.serve(self.host, self._metrics_port)
 
     def warm_up(self, timeout: float = 300.0) -> None:
-        """Run a long prompt (the largest bucket) and a decode step through the engine; if every slab comes back,
-        turn health SERVING. The engine thread runs it, so nothing else touches the engine meanwhile."""
+        """Run one short request end to end (the Engine already ran every bucket under the allocation check when it
+        was built); if every slab comes back, turn health SERVING. The engine thread runs it, so nothing else
+        touches the engine meanwhile."""
         engine = self.loop.engine
-        scheduler = engine.scheduler
-        num_prompt = max(1, min(scheduler.step_tokens, scheduler.max_request_tokens - 2))
+        num_prompt = max(1, min(8, engine.scheduler.max_request_tokens - 2))
 
         def run() -> None:
             done = engine.generate([[1] * num_prompt], stopping=StoppingOptions(max_tokens=2, ignore_eos=True))
