@@ -163,3 +163,25 @@ def save_reference_as_hf(folder: Path, config: dict, reference: dict[str, np.nda
     save_file({gguf_to_hf_name(k): np.ascontiguousarray(v) for k, v in reference.items()},
               str(folder / "model.safetensors"))
     return folder
+
+
+def make_served_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with a real (tiny, trained here) byte-level BPE tokenizer: an HF folder the Engine can
+    serve in milliseconds per step."""
+    import json
+
+    from _tok_fixtures import train_tiny_byte_level_bpe
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges = train_tiny_byte_level_bpe(512)
+    backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ")) for m in merges]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(tokens[:3])
+    make_hf_model(folder, "llama", seed=seed, vocab_size=len(tokens), max_position_embeddings=512)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "add_bos_token": False,
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"}))
+    return folder
