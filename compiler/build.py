@@ -48,6 +48,7 @@ class BuildError(ValueError):
 class Built:
     plan: P.Plan
     onnx_bucket: TracedBucket  # the traced step the bundle exports to ONNX
+    traced: tuple[TracedBucket, ...] = ()  # every bucket's traced step, stored for the server (CPU targets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,7 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
         weights=weights, kv=kv, activations=activations, staging=staging, totals=totals,
         capacity=capacity(slabs))
     P.check_plan(plan)
-    return Built(plan=plan, onnx_bucket=traced[0])
+    return Built(plan=plan, onnx_bucket=traced[0], traced=tuple(traced))
 
 
 # ---------------------------------------------------------------------------------------------------------------

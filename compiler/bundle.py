@@ -1,6 +1,7 @@
-"""The plan bundle on disk: `plan.msgpack` (canonical), `plan.yaml` (the same plan for people), `step.onnx`.
+"""The plan bundle on disk: `plan.msgpack` (canonical), `plan.yaml` (the same plan for people), `step.onnx`, and
+for servable CPU plans `graphs.msgpack` (every bucket's traced step, which the server loads instead of tracing).
 
-Contract: `write_bundle(built, out_dir)` writes the three files and returns the plan id (sha256 of plan.msgpack).
+Contract: `write_bundle(built, out_dir)` writes the files and returns the plan id (sha256 of plan.msgpack).
 Each file is written to a temporary name and renamed, so a bundle directory never holds a half-written plan. The
 same plan gives the same bytes in every file; nothing of the build machine (time, paths of temporary files) is
 recorded. No weights are ever written: step.onnx takes them as graph inputs.
@@ -15,6 +16,7 @@ import yaml
 from compiler.build import Built
 from compiler.onnx_export import step_to_onnx
 from runtime import plan as P
+from runtime.graph_io import GRAPHS_FILE, programs_to_bytes
 
 YAML_FILE = "plan.yaml"
 ONNX_FILE = "step.onnx"
@@ -30,6 +32,13 @@ def write_bundle(built: Built, out_dir: str | Path) -> str:
     _write(out / YAML_FILE, plan_yaml(built.plan, plan_id).encode("utf-8"))
     model = step_to_onnx(built.onnx_bucket.program, graph_name=f"{built.plan.name}_T{built.onnx_bucket.tokens}")
     _write(out / ONNX_FILE, model.SerializeToString())
+    graphs = out / GRAPHS_FILE
+    if built.plan.servable and built.plan.engine.device == "cpu" and built.traced:
+        # The server rebuilds its executor from these instead of tracing every bucket again (seconds at start-up);
+        # it checks each against the plan's graph fingerprint. CUDA plans are traced on meta: the server traces.
+        _write(graphs, programs_to_bytes({b.tokens: b.program for b in built.traced}))
+    elif graphs.exists():
+        graphs.unlink()
     return plan_id
 
 

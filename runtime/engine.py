@@ -20,6 +20,7 @@ import torch
 from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                               check_no_allocations, plan_sequential)
 from runtime.loader import GGUFSource, WeightSource, open_model
+from runtime.graph_io import GRAPHS_FILE, read_programs
 from runtime.plan import config_fingerprint, read_plan
 from runtime.model import build_step
 from runtime.sampler import Sampler, SamplingParams, make_generator
@@ -101,10 +102,12 @@ WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (
 
 class Engine:
     def __init__(self, config: EngineConfig, source: WeightSource | None = None,
-                 activation_plan: ActivationPlan | None = None, graph_fingerprints: Mapping[int, str] | None = None):
+                 activation_plan: ActivationPlan | None = None, graph_fingerprints: Mapping[int, str] | None = None,
+                 graphs_dir: Path | None = None):
         """`activation_plan`: the plan bundle's activation layout; without one every intermediate gets its own
         bytes (`runtime.executor.plan_sequential`). `graph_fingerprints`: the plan's fingerprint of each bucket's
-        traced step, checked against this process's trace before anything is allocated. Refuses
+        traced step, checked against this process's trace (or the stored graphs of `graphs_dir`, read instead of
+        tracing: runtime.graph_io) before anything is allocated. Refuses
         (PlanViolationError) a plan that does not fit the traced step, or warm-up steps that create storage."""
         source = source or open_model(config.model)
         self.config = config
@@ -121,8 +124,11 @@ class Engine:
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.inputs = {b: StepInputs(b, config.max_seqs) for b in buckets}
-        programs = {b: export_step(self.step_fn, b, config.max_seqs, rows, kv_caches=(self.k_cache, self.v_cache))
-                    for b in buckets}
+        if graphs_dir is not None:
+            programs = read_programs(graphs_dir, dict(self.step_fn.named_buffers()))
+        else:
+            programs = {b: export_step(self.step_fn, b, config.max_seqs, rows, kv_caches=(self.k_cache, self.v_cache))
+                        for b in buckets}
         _check_graph_fingerprints(programs, graph_fingerprints)
         plan = activation_plan or plan_sequential(programs)
         self.executor = PlannedExecutor.allocate(programs, plan, self.k_cache.device)
@@ -155,8 +161,9 @@ class Engine:
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
                               plan.engine.dtype, plan.engine.queue_limit)
         fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
+        graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
-                     fingerprints)
+                     fingerprints, graphs)
         engine.plan = plan
         return engine
 

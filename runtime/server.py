@@ -601,11 +601,12 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
         from runtime.config import ModelLoadError
         from runtime.engine import PlanMismatchError
         from runtime.executor import PlanViolationError
+        from runtime.graph_io import GraphFormatError
         from runtime.plan import PlanFormatError
 
         try:
             return Engine.from_plan(args.bundle)
-        except (PlanFormatError, PlanMismatchError, PlanViolationError, ModelLoadError) as err:
+        except (PlanFormatError, PlanMismatchError, PlanViolationError, ModelLoadError, GraphFormatError) as err:
             raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
     classes = []
     for item in args.classes.split(","):

@@ -1,0 +1,86 @@
+"""Stored step graphs (graphs.msgpack): the server rebuilds its executor from the bundle instead of tracing, gets
+the same tokens as a traced engine, and refuses a file that was edited, truncated or names ops it must not run."""
+from __future__ import annotations
+
+import shutil
+
+import msgpack
+import pytest
+import yaml
+
+from _models import make_served_tiny_model
+from compiler.build import build_plan
+from compiler.bundle import write_bundle
+from compiler.spec import load_spec
+from runtime.engine import Engine, PlanMismatchError, StoppingOptions
+from runtime.graph_io import GRAPHS_FILE, GraphFormatError
+
+PROMPTS = ["def main(argv):", "The quick brown fox", "for i in range(10):"]
+STOP = StoppingOptions(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    make_served_tiny_model(root / "model")
+    spec = {"name": "tiny-served", "model": {"path": "model"}, "target": {"device": "cpu", "memory": "1GiB"},
+            "max_seqs": 6, "step_tokens": 32, "buckets": [1, 8, 32], "max_context": 256,
+            "kv": {"classes": [{"tokens": 64, "count": 4}, {"tokens": 256, "count": 2}]}}
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    write_bundle(build_plan(load_spec(root / "spec.yaml", base_dir=root), root), root / "bundle")
+    return root
+
+
+def _tokens(engine: Engine) -> list[tuple[int, ...]]:
+    return [c.token_ids for c in engine.generate(PROMPTS, stopping=STOP)]
+
+
+def test_stored_graphs_give_the_traced_engines_tokens(bundle, monkeypatch):
+    monkeypatch.chdir(bundle)
+    assert (bundle / "bundle" / GRAPHS_FILE).is_file()
+    stored = Engine.from_plan(bundle / "bundle")
+    traced_dir = bundle / "traced"
+    shutil.copytree(bundle / "bundle", traced_dir, dirs_exist_ok=True)
+    (traced_dir / GRAPHS_FILE).unlink()
+    traced = Engine.from_plan(traced_dir)
+    assert _tokens(stored) == _tokens(traced)
+
+
+def _edit(bundle, name: str, change) -> None:
+    src, dst = bundle / "bundle", bundle / name
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    data = msgpack.unpackb((src / GRAPHS_FILE).read_bytes(), raw=False)
+    change(data)
+    (dst / GRAPHS_FILE).write_bytes(msgpack.packb(data, use_bin_type=True))
+
+
+def _first_call(data, target_prefix: str) -> dict:
+    return next(n for n in data["buckets"][0]["nodes"] if n["target"].startswith(target_prefix))
+
+
+def test_an_op_outside_aten_and_slabserve_is_refused(bundle, monkeypatch):
+    monkeypatch.chdir(bundle)
+    _edit(bundle, "hostile", lambda d: _first_call(d, "aten.matmul").update(target="os.system.default"))
+    with pytest.raises(GraphFormatError, match="'os.system.default' is not an aten or slabserve op"):
+        Engine.from_plan(bundle / "hostile")
+
+
+def test_an_edited_argument_fails_the_plans_fingerprint(bundle, monkeypatch):
+    monkeypatch.chdir(bundle)
+    def scale(d):  # the attention's softmax scale, a constant argument of the slabserve op
+        node = _first_call(d, "slabserve.slab_attention")
+        args = node["args"]["tuple"]  # (q, k_cache, v_cache, query_start, slab_offset, context_len, scale, ...)
+        args[6] = args[6] * 2
+    _edit(bundle, "edited", scale)
+    with pytest.raises(PlanMismatchError, match="differs from the one the plan was built from"):
+        Engine.from_plan(bundle / "edited")
+
+
+def test_a_truncated_file_is_refused(bundle, monkeypatch):
+    monkeypatch.chdir(bundle)
+    dst = bundle / "truncated"
+    shutil.copytree(bundle / "bundle", dst, dirs_exist_ok=True)
+    data = (dst / GRAPHS_FILE).read_bytes()
+    (dst / GRAPHS_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(GraphFormatError, match="not a valid graphs file"):
+        Engine.from_plan(dst)
