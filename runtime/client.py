@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,12 +38,26 @@ def build_request(text: str, chat: bool, max_tokens: int | None, temperature: fl
     return request
 
 
+def open_channel(addr: str, tls_ca: str | None = None) -> grpc.Channel:
+    """A channel to the server: TLS verified against the PEM file `tls_ca` when given, plaintext otherwise."""
+    if tls_ca is None:
+        return grpc.insecure_channel(addr)
+    return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes()))
+
+
+def auth_metadata(token_file: str | None) -> tuple[tuple[str, str], ...]:
+    """The bearer-token header for servers started with --auth-token-file."""
+    if token_file is None:
+        return ()
+    return (("authorization", f"Bearer {Path(token_file).read_text().strip()}"),)
+
+
 def generate(args: argparse.Namespace) -> int:
     request = build_request(args.text, args.chat, args.max_tokens, args.temperature, args.seed)
-    with grpc.insecure_channel(args.addr) as channel:
+    with open_channel(args.addr, args.tls_ca) as channel:
         stub = pb_grpc.SlabServeStub(channel)
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
+            for response in stub.Generate(request, timeout=args.timeout, metadata=auth_metadata(args.auth_token_file)):
                 if response.HasField("token"):
                     sys.stdout.write(response.token.text)
                     sys.stdout.flush()
@@ -65,12 +80,13 @@ def _finish(finished: pb.GenerationFinished) -> None:
           f"{t.time_per_output_token_seconds * 1000:.1f} ms per token after it]", file=sys.stderr)
 
 
-def serving_status(addr: str, timeout: float = 1.0) -> str:
+def serving_status(addr: str, timeout: float = 1.0, tls_ca: str | None = None,
+                   token_file: str | None = None) -> str:
     """The server's overall health status name (SERVING, NOT_SERVING, ...), or UNREACHABLE."""
-    with grpc.insecure_channel(addr) as channel:
+    with open_channel(addr, tls_ca) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                              timeout=timeout)
+                                                              timeout=timeout, metadata=auth_metadata(token_file))
         except grpc.RpcError:
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -80,7 +96,7 @@ def wait_serving(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.wait
     status = "UNREACHABLE"
     while True:
-        status = serving_status(args.addr)
+        status = serving_status(args.addr, tls_ca=args.tls_ca, token_file=args.auth_token_file)
         if status == "SERVING":
             print(f"{args.addr}: SERVING", file=sys.stderr)
             return 0
@@ -118,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     hl.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT of the server")
     hl.add_argument("--wait", type=float, default=0.0, help="seconds to keep trying (0: check once)")
     hl.add_argument("--pid", type=int, help="stop waiting early if this process (the server) exits")
+    for command in (gen, hl):
+        command.add_argument("--tls-ca", help="PEM certificate(s) to verify a TLS server with (default: plaintext)")
+        command.add_argument("--auth-token-file", help="file holding the server's bearer token")
     return parser
 
 

@@ -24,6 +24,7 @@ abort can never hit a newer request that reused the client's id.
 from __future__ import annotations
 
 import argparse
+import hmac
 import itertools
 import json
 import logging
@@ -476,11 +477,63 @@ class SlabServeServicer(pb_grpc.SlabServeServicer):
 
 # ---- the server -------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Access:
+    """Who may call: TLS (PEM bytes of the server's certificate chain and key) and a bearer token. With a token,
+    every call must send `authorization: Bearer <token>` or gets UNAUTHENTICATED; health checks and reflection
+    are answered without it only when `open_health` says so (a load balancer's probe, say)."""
+
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    token: str | None = None
+    open_health: bool = False
+
+
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class _BearerToken(grpc.ServerInterceptor):
+    """Refuses calls without the operator's bearer token, before any handler (or the engine) sees them."""
+
+    def __init__(self, token: str, open_health: bool):
+        self._expected = f"Bearer {token}".encode()
+        self._open_health = open_health
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or (self._open_health and handler_call_details.method.startswith(_OPEN_PREFIXES)):
+            return handler
+        sent = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(sent.encode(), self._expected):
+            return handler
+        return _refusal(handler)
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+    def deny(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      "authorization: missing or wrong bearer token (send 'authorization: Bearer <token>')")
+
+    def deny_stream(request, context):
+        deny(request, context)
+        yield  # never reached: makes this a generator for streaming handlers
+
+    codec = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, **codec)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **codec)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **codec)
+    return grpc.unary_unary_rpc_method_handler(deny, **codec)
+
+
 class SlabServer:
     """A gRPC server over one Engine; see the module docstring for its life: start, warm_up, drain."""
 
     def __init__(self, engine: Engine, host: str, port: int, metrics_port: int | None, limits: Limits,
-                 max_workers: int | None):
+                 max_workers: int | None, access: Access = Access()):
         scheduler = engine.scheduler
         self.metrics = Metrics(scheduler.allocator.classes)
         self.health = health.HealthServicer()
@@ -493,14 +546,19 @@ class SlabServer:
         options = [("grpc.max_receive_message_length", limits.max_message_bytes),
                    ("grpc.max_send_message_length", limits.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
+        interceptors = [_BearerToken(access.token, access.open_health)] if access.token else []
         self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-                                       options=options, maximum_concurrent_rpcs=workers)
+                                       options=options, maximum_concurrent_rpcs=workers, interceptors=interceptors)
         pb_grpc.add_SlabServeServicer_to_server(self.servicer, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.grpc_server)
         self.host = host
-        self.port = self.grpc_server.add_insecure_port(f"{host}:{port}")
+        if access.tls_cert is not None:
+            credentials = grpc.ssl_server_credentials([(access.tls_key, access.tls_cert)])
+            self.port = self.grpc_server.add_secure_port(f"{host}:{port}", credentials)
+        else:
+            self.port = self.grpc_server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self._metrics_port = metrics_port
@@ -567,9 +625,9 @@ class SlabServer:
 
 
 def create_server(engine: Engine, host: str = "127.0.0.1", port: int = 50051, *, metrics_port: int | None = None,
-                  limits: Limits = Limits(), max_workers: int | None = None) -> SlabServer:
+                  limits: Limits = Limits(), max_workers: int | None = None, access: Access = Access()) -> SlabServer:
     """A server over a ready Engine, bound but not started (`port=0` picks a free port: see `.port`)."""
-    return SlabServer(engine, host, port, metrics_port, limits, max_workers)
+    return SlabServer(engine, host, port, metrics_port, limits, max_workers, access)
 
 
 # ---- the `slabserve serve` command ------------------------------------------------------------------------------
@@ -583,6 +641,11 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--grace-seconds", type=float, default=30.0,
                         help="on SIGTERM, how long running streams may take to finish")
     parser.add_argument("--max-message-bytes", type=int, default=Limits().max_message_bytes)
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--auth-token-file", help="file holding a bearer token every call must send")
+    parser.add_argument("--open-health", action="store_true",
+                        help="with --auth-token-file: answer health checks and reflection without the token")
     # Development and tests: build the engine from a model file and explicit sizes instead of a plan bundle.
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--classes", default="256x8,1024x4,2048x2", help=argparse.SUPPRESS)  # TOKENSxCOUNT,...
@@ -593,7 +656,26 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(list(argv))
     if (args.bundle is None) == (args.model is None):
         parser.error("give a plan bundle DIR")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
     return args
+
+
+def _access_from_args(args: argparse.Namespace) -> Access:
+    """Read the TLS files and the token once, at start; a missing or empty file stops the server with its name."""
+    def read(path: str, what: str) -> bytes:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as err:
+            raise SystemExit(f"slabserve serve: cannot read {what} {path}: {err.strerror or err}") from None
+        if not data.strip():
+            raise SystemExit(f"slabserve serve: {what} {path} is empty")
+        return data
+
+    token = read(args.auth_token_file, "--auth-token-file").decode().strip() if args.auth_token_file else None
+    cert = read(args.tls_cert, "--tls-cert") if args.tls_cert else None
+    key = read(args.tls_key, "--tls-key") if args.tls_key else None
+    return Access(cert, key, token, args.open_health)
 
 
 def _engine_from_args(args: argparse.Namespace) -> Engine:
@@ -635,10 +717,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    access = _access_from_args(args)  # before the engine: a bad file fails in milliseconds, not after loading
     engine = _engine_from_args(args)
     server = create_server(engine, args.host, args.port,
                            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                           limits=Limits(max_message_bytes=args.max_message_bytes))
+                           limits=Limits(max_message_bytes=args.max_message_bytes), access=access)
     server.start()
     log.info(json.dumps({"event": "listening", "address": server.address, "metrics_port": args.metrics_port}))
     server.warm_up()
