@@ -123,9 +123,9 @@ def _cmd_build(ns: argparse.Namespace) -> int:
 
 
 def _read(bundle: str):
-    from runtime.plan import plan_id, read_plan, read_plan_bytes
+    from runtime.plan import read_plan_and_id
 
-    return read_plan(bundle), plan_id(read_plan_bytes(bundle))
+    return read_plan_and_id(bundle)
 
 
 def _cmd_inspect(ns: argparse.Namespace) -> int:

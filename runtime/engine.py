@@ -21,7 +21,7 @@ from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                               check_no_allocations, plan_sequential)
 from runtime.loader import GGUFSource, WeightSource, open_model
 from runtime.graph_io import GRAPHS_FILE, read_programs
-from runtime.plan import config_fingerprint, read_plan
+from runtime.plan import config_fingerprint, read_plan_and_id
 from runtime.model import build_step
 from runtime.sampler import Sampler, SamplingParams, make_generator
 from runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
@@ -142,7 +142,7 @@ class Engine:
         self._cancelled: list[str] = []  # aborted requests whose CANCELLED event is not yet returned
         self._backlog: list[GenerationEvent] = []  # events `generate`/`stream` saw for requests they don't own
         self._seed_source = random.Random()
-        self.plan = None  # the bundle's Plan when built by from_plan
+        self.plan_id = ""  # sha256 of the bundle's plan.msgpack when built by from_plan
         self._warm_up()
 
     @classmethod
@@ -151,7 +151,7 @@ class Engine:
         and weight contents, the torch/triton versions and the device must be the ones the plan was built for
         (PlanMismatchError names which differs and how to rebuild); the KV and activation arenas are allocated at
         exactly the planned sizes."""
-        plan = read_plan(directory)
+        plan, plan_id = read_plan_and_id(directory)
         if not plan.servable:
             raise PlanMismatchError(f"{directory}: plan {plan.name!r} was built without weights (weights: none), for "
                                     "capacity planning only; build a plan from the model's weights to serve it")
@@ -164,7 +164,7 @@ class Engine:
         graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
                      fingerprints, graphs)
-        engine.plan = plan
+        engine.plan_id = plan_id
         return engine
 
     # ---- requests in ----------------------------------------------------------------------------------------------

@@ -280,6 +280,11 @@ def config_fingerprint(config: Any) -> str:
 
 def read_plan(directory: str | Path) -> Plan:
     """The plan of the bundle `directory`, or `PlanFormatError`. Reads at most MAX_PLAN_BYTES."""
+    return read_plan_and_id(directory)[0]
+
+
+def read_plan_and_id(directory: str | Path) -> tuple[Plan, str]:
+    """The plan of the bundle `directory` and its id (sha256 of the bytes it was decoded from), from one read."""
     path = Path(directory) / PLAN_FILE
     try:
         size = path.stat().st_size
@@ -292,16 +297,9 @@ def read_plan(directory: str | Path) -> Plan:
     except OSError as err:
         raise PlanFormatError(f"{path}: cannot read: {err.strerror or err}") from None
     try:
-        return decode_plan(data)
+        return decode_plan(data), plan_id(data)
     except PlanFormatError as err:
         raise PlanFormatError(f"{path}: {err}") from None
-
-
-def read_plan_bytes(directory: str | Path) -> bytes:
-    """The raw canonical bytes (for the plan id), after checking they decode into a valid plan."""
-    path = Path(directory) / PLAN_FILE
-    read_plan(directory)
-    return path.read_bytes()
 
 
 def decode_plan(data: bytes) -> Plan:

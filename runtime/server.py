@@ -437,7 +437,7 @@ class SlabServeServicer(pb_grpc.SlabServeServicer):
         classes = scheduler.allocator.classes
         return pb.GetModelInfoResponse(
             model_name=engine.model_config.name or Path(engine.config.model).name,
-            plan_id=getattr(engine, "plan_id", "") or "",
+            plan_id=engine.plan_id,
             context_limit=engine.model_config.context_limit,
             max_request_tokens=scheduler.max_request_tokens,
             slab_classes=[pb.SlabClass(index=i, tokens=c.tokens, count=c.count) for i, c in enumerate(classes)],

@@ -2,6 +2,7 @@
 the same tokens as a traced engine, and refuses a file that was edited, truncated or names ops it must not run."""
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import msgpack
@@ -44,6 +45,7 @@ def test_stored_graphs_give_the_traced_engines_tokens(bundle, monkeypatch):
     (traced_dir / GRAPHS_FILE).unlink()
     traced = Engine.from_plan(traced_dir)
     assert _tokens(stored) == _tokens(traced)
+    assert stored.plan_id == hashlib.sha256((bundle / "bundle" / "plan.msgpack").read_bytes()).hexdigest()
 
 
 def _edit(bundle, name: str, change) -> None:
