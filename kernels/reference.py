@@ -199,11 +199,13 @@ def slab_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               out: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence, q (S, H, D), over its whole slab; `workspace` is accepted and unused."""
     check_slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, out, workspace)
-    for s, (offset, context) in enumerate(zip(slab_offset.tolist(), context_len.tolist())):
+    offsets, contexts = slab_offset.tolist(), context_len.tolist()
+    # one scratch for every sequence, sized for the longest (the Triton kernel's split workspace has another layout)
+    scratch = torch.empty(prefill_workspace_numel(1, q.shape[1], q.shape[2], max(contexts + [1])), device=q.device)
+    for s, (offset, context) in enumerate(zip(offsets, contexts)):
         if context == 0:
             out[s].zero_()
             continue
         slab = slice(offset, offset + context)
-        scratch = torch.empty(prefill_workspace_numel(1, q.shape[1], q.shape[2], context), device=q.device)
         _attend_slab(q[s:s + 1], k_cache[slab], v_cache[slab], scale, out[s:s + 1], scratch)
     return out

@@ -300,9 +300,6 @@ class Allocation:
     nbytes: int
     ops: tuple[str, ...]  # e.g. ("slabserve::rope", "aten::to", "aten::_to_copy", "aten::empty_strided")
 
-    def under(self, prefixes: tuple[str, ...]) -> bool:
-        return bool(self.ops) and self.ops[0].startswith(prefixes)
-
 
 def allocations(fn: Callable[[], object], steps: int = 1, single_thread: bool = True) -> list[Allocation]:
     """Run `fn` `steps` times under the profiler's memory events; every CPU/CUDA tensor storage allocated meanwhile

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,10 +57,6 @@ class WeightSource:
                 raise ModelLoadError(
                     f"{self.path}: tensor {name} has shape {list(self.shapes[name])}, the config implies {list(shape)}"
                 )
-
-    def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.config.weight_shapes():
-            yield name, self.get(name, dtype)
 
     def content_hash(self) -> str:
         """sha256 over the weight files' bytes (the plan's weight fingerprint)."""
