@@ -1,0 +1,224 @@
+"""Workloads for the load generator: request classes, mixes read from YAML, and arrival schedules.
+
+Contract: everything here is pure and deterministic given a seed; no gRPC, no clock. A schedule is a tuple of
+`Arrival`s (offset from the run's start in seconds, request class, exact prompt and output lengths in tokens),
+sorted by offset. The driver turns each into one Generate call at that offset, whatever happened before it.
+
+A mix file (`--mix FILE`):
+
+    name: ide
+    classes:                     # at least one; shares are normalised to sum to 1
+      - {name: completion, share: 0.7, prompt: [64, 512], output: [16, 64]}
+      - {name: chat, share: 0.2, prompt: [128, 1024], output: [32, 256]}
+      - {name: analysis, share: 0.1, prompt: [2048, 6144], output: [128, 256]}
+
+Lengths are drawn uniformly from the closed ranges. A trace file (`--trace FILE`) is CSV with a header or JSON
+lines, one arrival each: `offset_s` and `class` (a class of the mix), and optionally `prompt_tokens` and
+`output_tokens` (drawn from the class when absent; a row with both may name a class the mix lacks).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+class WorkloadError(ValueError):
+    """A mix or trace file that cannot be used; the message names the file, the field and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestClass:
+    name: str
+    share: float
+    prompt: tuple[int, int]   # prompt tokens, inclusive range
+    output: tuple[int, int]   # output tokens (max_tokens, with EOS ignored), inclusive range
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.prompt[1] + self.output[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Mix:
+    name: str
+    classes: tuple[RequestClass, ...]
+
+    def by_name(self, name: str) -> RequestClass:
+        for c in self.classes:
+            if c.name == name:
+                return c
+        raise WorkloadError(f"class {name!r} is not in mix {self.name!r} (classes: "
+                            f"{', '.join(c.name for c in self.classes)})")
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    offset_s: float       # when to send, from the run's start
+    class_name: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+# The default "IDE mix": mostly short completions, chat turns, a minority of long analyses.
+IDE_MIX = Mix("ide", (
+    RequestClass("completion", 0.70, (64, 512), (16, 64)),
+    RequestClass("chat", 0.20, (128, 1024), (32, 256)),
+    RequestClass("analysis", 0.10, (2048, 6144), (128, 256)),
+))
+
+_MIX_KEYS = {"name", "classes"}
+_CLASS_KEYS = {"name", "share", "prompt", "output"}
+
+
+def load_mix(path: str | Path) -> Mix:
+    """Read and validate a mix YAML file; an unknown key or a bad value is a WorkloadError naming it."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise WorkloadError(f"{path}: cannot read the mix: {err}") from None
+    return mix_from_dict(data, str(path))
+
+
+def mix_from_dict(data: object, where: str = "mix") -> Mix:
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{where}: expected a mapping with keys {sorted(_MIX_KEYS)}")
+    _no_unknown_keys(data, _MIX_KEYS, where)
+    items = data.get("classes")
+    if not isinstance(items, list) or not items:
+        raise WorkloadError(f"{where}: classes: expected a non-empty list")
+    classes = [_class_from_dict(item, f"{where}: classes[{i}]") for i, item in enumerate(items)]
+    names = [c.name for c in classes]
+    if len(set(names)) != len(names):
+        raise WorkloadError(f"{where}: classes: names must be unique, got {names}")
+    total = sum(c.share for c in classes)
+    classes = [RequestClass(c.name, c.share / total, c.prompt, c.output) for c in classes]
+    return Mix(str(data.get("name", Path(where).stem)), tuple(classes))
+
+
+def _class_from_dict(item: object, where: str) -> RequestClass:
+    if not isinstance(item, dict):
+        raise WorkloadError(f"{where}: expected a mapping with keys {sorted(_CLASS_KEYS)}")
+    _no_unknown_keys(item, _CLASS_KEYS, where)
+    missing = sorted(_CLASS_KEYS - item.keys())
+    if missing:
+        raise WorkloadError(f"{where}: missing {', '.join(missing)}")
+    share = item["share"]
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0:
+        raise WorkloadError(f"{where}: share: {share!r} is not allowed; expected a number > 0")
+    return RequestClass(str(item["name"]), float(share), _range(item["prompt"], f"{where}: prompt", 1),
+                        _range(item["output"], f"{where}: output", 1))
+
+
+def _range(value: object, where: str, low: int) -> tuple[int, int]:
+    ok = (isinstance(value, list) and len(value) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+          and low <= value[0] <= value[1])
+    if not ok:
+        raise WorkloadError(f"{where}: {value!r} is not allowed; expected [LOW, HIGH] integers with "
+                            f"{low} <= LOW <= HIGH")
+    return value[0], value[1]
+
+
+def _no_unknown_keys(data: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise WorkloadError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+
+
+# ---- schedules --------------------------------------------------------------------------------------------------
+
+def draw_lengths(cls: RequestClass, rng: random.Random) -> tuple[int, int]:
+    return rng.randint(*cls.prompt), rng.randint(*cls.output)
+
+
+def poisson_schedule(mix: Mix, rate: float, seed: int, *, duration_s: float | None = None,
+                     num_requests: int | None = None) -> tuple[Arrival, ...]:
+    """Poisson arrivals at `rate` per second until `duration_s` or `num_requests` (whichever is given)."""
+    if not rate > 0:
+        raise WorkloadError(f"rate: {rate!r} is not allowed; expected requests per second > 0")
+    if (duration_s is None) == (num_requests is None):
+        raise WorkloadError("give exactly one of a duration and a request count")
+    rng = random.Random(seed)
+    weights = [c.share for c in mix.classes]
+    arrivals: list[Arrival] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if duration_s is not None and t >= duration_s:
+            break
+        if num_requests is not None and len(arrivals) >= num_requests:
+            break
+        cls = rng.choices(mix.classes, weights)[0]
+        arrivals.append(Arrival(t, cls.name, *draw_lengths(cls, rng)))
+    return tuple(arrivals)
+
+
+def load_trace(path: str | Path, mix: Mix, seed: int) -> tuple[Arrival, ...]:
+    """Arrivals from a CSV (with a header) or JSON-lines file; lengths absent from a row are drawn from its class."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise WorkloadError(f"{path}: cannot read the trace: {err.strerror or err}") from None
+    rows = _trace_rows(text, path)
+    rng = random.Random(seed)
+    arrivals = [_arrival_from_row(row, mix, rng, f"{path}: row {i + 1}") for i, row in enumerate(rows)]
+    if not arrivals:
+        raise WorkloadError(f"{path}: the trace has no arrivals")
+    return tuple(sorted(arrivals, key=lambda a: a.offset_s))
+
+
+def _trace_rows(text: str, path: Path) -> list[dict]:
+    lines = [line for line in text.splitlines() if line.strip()]
+    if lines and lines[0].lstrip().startswith("{"):
+        try:
+            return [json.loads(line) for line in lines]
+        except json.JSONDecodeError as err:
+            raise WorkloadError(f"{path}: not JSON lines: {err}") from None
+    return list(csv.DictReader(lines))
+
+
+def _arrival_from_row(row: dict, mix: Mix, rng: random.Random, where: str) -> Arrival:
+    if "offset_s" not in row or "class" not in row:
+        raise WorkloadError(f"{where}: needs offset_s and class (got {sorted(row)})")
+    try:
+        offset = float(row["offset_s"])
+    except (TypeError, ValueError):
+        raise WorkloadError(f"{where}: offset_s: {row['offset_s']!r} is not a number") from None
+    if not offset >= 0:
+        raise WorkloadError(f"{where}: offset_s: {offset!r} is not allowed; expected seconds >= 0")
+    name = str(row["class"])
+    given = (row.get("prompt_tokens"), row.get("output_tokens"))
+    if all(v not in (None, "") for v in given):  # a row with both lengths needs no class of the mix
+        prompt, output = (_optional_int(v, 0, f"{where}: {k}") for v, k in zip(given, ("prompt_tokens",
+                                                                                       "output_tokens")))
+        return Arrival(offset, name, prompt, output)
+    prompt, output = draw_lengths(mix.by_name(name), rng)
+    prompt = _optional_int(given[0], prompt, f"{where}: prompt_tokens")
+    output = _optional_int(given[1], output, f"{where}: output_tokens")
+    return Arrival(offset, name, prompt, output)
+
+
+def _optional_int(value: object, default: int, where: str) -> int:
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise WorkloadError(f"{where}: {value!r} is not an integer") from None
+    if number < 1:
+        raise WorkloadError(f"{where}: {number} is not allowed; expected >= 1")
+    return number
+
+
+def prompt_ids(num_tokens: int, vocab_size: int, rng: random.Random) -> list[int]:
+    """`num_tokens` token ids drawn uniformly from the vocabulary, skipping its first ids (usually special tokens,
+    which some models treat as end of text even in a prompt)."""
+    low = min(64, vocab_size // 4)
+    return [rng.randrange(low, vocab_size) for _ in range(num_tokens)]
