@@ -21,7 +21,7 @@ from tools._stats import OK, REJECTED, distribution
 class SweepPlan:
     start_rps: float
     ttft_bound_s: float
-    factor: float | None = 1.5         # geometric climb (rate *= factor) ...
+    factor: float | None = None        # geometric climb (rate *= factor) ...
     increment_rps: float | None = None  # ... or linear (rate += increment)
     max_rate_rps: float = 1000.0
     past_bound: int = 2                # failing steps in a row that end the climb

@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make `tools.` (and the reposit
 from runtime.client import serving_status  # noqa: E402
 from tools._driver import DriveOptions  # noqa: E402
 from tools._stats import OK, REJECTED, distribution, in_window  # noqa: E402
-from tools._target import TargetError, resident_bytes  # noqa: E402
+from tools._target import TargetError, loopback_target, resident_bytes  # noqa: E402
 from tools._workload import IDE_MIX, Arrival, Mix, WorkloadError, load_mix, poisson_schedule  # noqa: E402
 from tools.loadgen import LoadgenError, connect, describe, execute, mix_to_dict, wait_idle, write_run  # noqa: E402
 
@@ -265,6 +265,8 @@ def capacity_from(args: argparse.Namespace) -> tuple[float, float | None]:
 
 
 def soak(args: argparse.Namespace) -> int:
+    if args.addr is not None:
+        loopback_target(args.addr)  # before any call: nothing is ever sent off this machine
     capacity, reference_ttft = capacity_from(args)
     mode = "overload" if args.overload else "soak"
     rate = capacity * (args.factor if args.overload else args.fraction)
