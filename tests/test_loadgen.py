@@ -415,6 +415,31 @@ def test_rejections_or_errors_fail_a_step_even_under_the_bound():
     assert not timed_out["passed"] and "DEADLINE_EXCEEDED" in timed_out["why"]
 
 
+def test_the_ttft_bound_can_leave_long_classes_out():
+    plan = SweepPlan(start_rps=1.0, ttft_bound_s=1.0, factor=2.0, ttft_classes=("completion",))
+    records = [_rec(i) for i in range(90)] + [dict(_rec(i, ttft=30.0), **{"class": "analysis"}) for i in range(10)]
+    step = step_figures(1.0, records, 10, [], plan)
+    assert step["passed"] and step["p99_ttft_s"] == pytest.approx(0.1)
+    assert step["p99_ttft_s_per_class"]["analysis"] == pytest.approx(30.0)
+    assert not step_figures(1.0, records, 10, [], SweepPlan(1.0, 1.0, factor=2.0))["passed"]
+    assert soak.judge_admitted_ttft(records, 0.1, classes=("completion",)).passed
+    assert not soak.judge_admitted_ttft(records, 0.1).passed
+
+
+def test_a_sweep_against_the_server_writes_its_json_plot_and_steps(tiny_server, mix_file, tmp_path):
+    out = tmp_path / "sweep"
+    code = loadgen.main(["sweep", "--addr", tiny_server.address, "--mix", str(mix_file), "--start", "5",
+                         "--factor", "2", "--max-rate", "10", "--step-duration", "1", "--min-step-requests", "0",
+                         "--ttft-bound", "60", "--max-reject-fraction", "1", "--refine", "0", "--out", str(out),
+                         "--no-progress"])  # about the plumbing, not this server's speed: every step passes
+    assert code == 0
+    result = json.loads((out / "sweep.json").read_text())
+    assert [s["rate"] for s in result["steps"]] == [5, 10]
+    assert result["capacity_rps"] == 10 and not result["bound_crossed"]
+    assert len(list((out / "steps").glob("step-*.json"))) == 2
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_sweep_plots_and_percentiles(tmp_path):
     from tools._plots import plot_sweep
     plan = SweepPlan(start_rps=1.0, ttft_bound_s=1.0, factor=2.0, refine=1)

@@ -156,8 +156,10 @@ def plot_sweep(sweep: dict, path: Path) -> Path:
     rates = [s["rate"] for s in steps]
     fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
     p99 = [s["p99_ttft_s"] * 1000 if s["p99_ttft_s"] is not None else float("nan") for s in steps]
-    axes[0].plot(rates, p99, marker="o", color="tab:red", label="P99 time to first token (admitted requests)")
-    axes[0].axhline(sweep["ttft_bound_s"] * 1000, color="grey", linestyle="--", label="bound")
+    of = f"{', '.join(sweep['ttft_classes'])} requests" if sweep.get("ttft_classes") else "admitted requests"
+    axes[0].plot(rates, p99, marker="o", color="tab:red", label=f"P99 time to first token ({of})")
+    axes[0].axhline(sweep["ttft_bound_s"] * 1000, color="grey", linestyle="--",
+                    label=f"bound {sweep['ttft_bound_s'] * 1000:g} ms")
     axes[0].set_ylabel("P99 time to first token (ms)")
     axes[1].plot(rates, rates, color="grey", linestyle=":", label="offered")
     axes[1].plot(rates, [s["completed_per_s"] for s in steps], marker="o", color="tab:blue", label="completed")

@@ -2,7 +2,7 @@
 TTFT bound.
 
 Contract: `sweep(plan, run_step)` calls `run_step(rate)` for rising rates; run_step runs one open-loop step at that
-rate and returns `step_figures(...)` of it. A step passes when its admitted requests' P99 TTFT is at most the bound,
+rate and returns `step_figures(...)` of it. A step passes when its admitted requests' P99 TTFT (over the `ttft_classes`, or all) is at most the bound,
 at most `max_reject_fraction` of its requests were rejected, and none ended in another error (timeouts, cancels at
 the drain timeout, anything but OK and RESOURCE_EXHAUSTED). The geometric (or linear) climb stops after
 `past_bound` failing steps in a row or at `max_rate`; then `refine` bisection steps narrow the gap between the
@@ -27,6 +27,7 @@ class SweepPlan:
     past_bound: int = 2                # failing steps in a row that end the climb
     refine: int = 2                    # bisection steps between the last pass and the first fail
     max_reject_fraction: float = 0.01
+    ttft_classes: tuple[str, ...] = ()  # request classes the TTFT bound applies to; empty: all
 
     def __post_init__(self) -> None:
         if not self.start_rps > 0 or not self.ttft_bound_s > 0:
@@ -51,7 +52,10 @@ def step_figures(rate: float, records: Sequence[dict], window_s: float, load_sam
     ok = [r for r in records if r["status"] == OK]
     rejected = [r for r in records if r["status"] == REJECTED]
     others = n - len(ok) - len(rejected)
-    ttft = distribution(r.get("ttft_s") for r in ok)
+    bounded = [r for r in ok if not plan.ttft_classes or r["class"] in plan.ttft_classes]
+    ttft = distribution(r.get("ttft_s") for r in bounded)
+    per_class = {name: distribution(r.get("ttft_s") for r in ok if r["class"] == name)
+                 for name in sorted({r["class"] for r in ok})}
     figures = {
         "rate": rate,
         "requests": n,
@@ -59,6 +63,7 @@ def step_figures(rate: float, records: Sequence[dict], window_s: float, load_sam
         "completed_per_s": len(ok) / window_s if window_s > 0 else 0.0,
         "p50_ttft_s": ttft["p50"] if ttft else None,
         "p99_ttft_s": ttft["p99"] if ttft else None,
+        "p99_ttft_s_per_class": {name: d["p99"] for name, d in per_class.items() if d},
         "rejected": len(rejected),
         "rejected_fraction": len(rejected) / n if n else 0.0,
         "rejection_latency_s": distribution(r.get("e2e_s") for r in rejected),
@@ -131,7 +136,7 @@ def analyse(steps: Sequence[dict], plan: SweepPlan) -> dict:
     capacity, lowest_fail = _bracket(steps)
     at = next((s for s in steps if s["rate"] == capacity), None)
     above = [s for s in steps if capacity is None or s["rate"] > capacity]
-    return {"ttft_bound_s": plan.ttft_bound_s, "capacity_rps": capacity, "lowest_failing_rps": lowest_fail,
+    return {"ttft_bound_s": plan.ttft_bound_s, "ttft_classes": list(plan.ttft_classes), "capacity_rps": capacity, "lowest_failing_rps": lowest_fail,
             "bound_crossed": lowest_fail is not None, "at_capacity": at, "steps": steps,
             "above_capacity": describe_above(above)}
 

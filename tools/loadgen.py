@@ -205,34 +205,41 @@ def _ms(dist: dict | None, key: str) -> str:
 def _sweep_command(args: argparse.Namespace) -> int:
     target, info = connect(args.addr, args.server_pid)
     mix = load_mix(args.mix) if args.mix else IDE_MIX
+    ttft_classes = tuple(c for c in (args.ttft_classes or "").split(",") if c)
+    for name in ttft_classes:
+        mix.by_name(name)
     plan = SweepPlan(args.start, args.ttft_bound, None if args.increment else args.factor, args.increment,
-                     args.max_rate, args.past_bound, args.refine, args.max_reject_fraction)
+                     args.max_rate, args.past_bound, args.refine, args.max_reject_fraction, ttft_classes)
     out = Path(args.out)
     (out / "steps").mkdir(parents=True, exist_ok=True)
     count = iter(range(10_000))
 
     def run_step(rate: float) -> dict:
         index = next(count)
-        arrivals = poisson_schedule(mix, rate, args.seed + index, duration_s=args.step_duration)
-        meta = {"tool": "loadgen sweep step", "title": describe(f"Poisson {rate:g} req/s", mix, args.step_duration,
+        seconds = max(args.step_duration, args.min_step_requests / rate)
+        arrivals = poisson_schedule(mix, rate, args.seed + index, duration_s=seconds)
+        meta = {"tool": "loadgen sweep step", "title": describe(f"Poisson {rate:g} req/s", mix, seconds,
                                                                  info.plan_id),
                 "addr": args.addr, "rate": rate, "mix": mix_to_dict(mix), "classes": [c.name for c in mix.classes],
                 "requests": len(arrivals)}
         options = DriveOptions(args.seed + index, args.drain_timeout, args.sample_interval, args.request_timeout,
                                not args.no_progress, label=f"sweep {rate:g} req/s")
-        document = execute(target, info, arrivals, args.step_duration, options, meta)
+        document = execute(target, info, arrivals, seconds, options, meta)
         write_run(document, out / "steps", plots=False, name=f"step-{index:02d}-{rate:g}rps.json")
-        figures = step_figures(rate, document["records"], args.step_duration, document["samples"]["load"], plan)
+        figures = step_figures(rate, document["records"], seconds, document["samples"]["load"], plan)
+        figures["duration_s"] = seconds
         print(f"sweep: {rate:g} req/s: {'pass' if figures['passed'] else 'FAIL'} ({figures['why']}; "
               f"{figures['completed_per_s']:.3f} completed/s, {figures['rejected']} rejected)", file=sys.stderr)
         wait_idle(args.addr, args.drain_timeout)  # the next step starts on an idle server
         return figures
 
     result = sweep(plan, run_step)
-    title = (f"slabserve capacity sweep: mix {mix.name}, {args.step_duration:g} s a step, P99 TTFT bound "
-             f"{args.ttft_bound:g} s, plan {info.plan_id[:12] or '(none)'}")
+    bounded = f" of {'+'.join(ttft_classes)}" if ttft_classes else ""
+    title = (f"slabserve capacity sweep: mix {mix.name}, >= {args.step_duration:g} s a step, P99 TTFT{bounded} "
+             f"bound {args.ttft_bound:g} s, plan {info.plan_id[:12] or '(none)'}")
     result["meta"] = {"tool": "loadgen sweep", "title": title, "addr": args.addr, "mix": mix_to_dict(mix),
-                      "step_duration_s": args.step_duration, "server": info_to_dict(info), "seed": args.seed}
+                      "step_duration_s": args.step_duration, "min_step_requests": args.min_step_requests,
+                      "server": info_to_dict(info), "seed": args.seed}
     if not args.no_plots:
         from tools._plots import plot_sweep
         result["plots"] = [plot_sweep(result, out / "sweep.png").name]
@@ -296,7 +303,11 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--factor", type=float, default=1.5, help="rate multiplier between steps (default 1.5)")
     sw.add_argument("--increment", type=float, help="add this many req/s a step instead of multiplying")
     sw.add_argument("--max-rate", type=float, default=1000.0, help="highest rate to try")
-    sw.add_argument("--step-duration", type=float, default=120.0, help="seconds of arrivals per step")
+    sw.add_argument("--step-duration", type=float, default=120.0, help="seconds of arrivals per step (at least)")
+    sw.add_argument("--min-step-requests", type=int, default=20,
+                    help="lengthen a step to offer at least this many requests (a P99 over fewer is the max)")
+    sw.add_argument("--ttft-classes", help="comma-separated request classes the TTFT bound applies to (default: "
+                                           "all; e.g. completion,chat to leave long analyses out of it)")
     sw.add_argument("--past-bound", type=int, default=2, help="failing steps in a row that end the climb")
     sw.add_argument("--refine", type=int, default=2, help="bisection steps between the last pass and first fail")
     sw.add_argument("--max-reject-fraction", type=float, default=0.01,

@@ -16,7 +16,7 @@ reaches its steady concurrency) and then the judged --duration seconds, drains, 
     slabs free   GetLoad after the run: every slab of every class free, nothing running or queued
   overload (--overload: 3x --capacity for 120 s; the warm-up runs at capacity)
     admitted TTFT  P99 TTFT of admitted requests within 2x the P99 TTFT at capacity (--reference-ttft, else the
-                   sweep's figure at its capacity, else the warm-up's)
+                   sweep's figure at its capacity, else the warm-up's), over the sweep's --ttft-classes if it had any
     rejections   P99 client-measured latency of RESOURCE_EXHAUSTED answers under 50 ms (the max is reported)
     memory, errors, slabs free   as above
 
@@ -141,9 +141,11 @@ def judge_slabs_free(load: dict | None) -> Criterion:
     return Criterion(name, passed, f"{free}/{total} free", "all free", note)
 
 
-def judge_admitted_ttft(records: Sequence[dict], reference_s: float | None, factor: float = 2.0) -> Criterion:
-    d = distribution(r.get("ttft_s") for r in records if r["status"] == OK)
-    name = "P99 TTFT of admitted requests"
+def judge_admitted_ttft(records: Sequence[dict], reference_s: float | None, factor: float = 2.0,
+                        classes: Sequence[str] = ()) -> Criterion:
+    """P99 TTFT of admitted requests (of `classes`, or all, as the reference was measured) against the reference."""
+    d = distribution(r.get("ttft_s") for r in records if r["status"] == OK and (not classes or r["class"] in classes))
+    name = "P99 TTFT of admitted requests" + (f" ({', '.join(classes)})" if classes else "")
     if reference_s is None:
         return Criterion(name, False, "not judged", f"<= {factor:g}x at capacity", "no TTFT figure at capacity")
     limit = f"<= {factor:g}x {reference_s * 1000:.0f} ms = {factor * reference_s * 1000:.0f} ms"
@@ -174,11 +176,12 @@ def judge_soak(records: Sequence[dict], start_s: float, duration_s: float, basel
 
 
 def judge_overload(records: Sequence[dict], start_s: float, duration_s: float, reference_ttft_s: float | None,
-                   baseline_bytes: int | None, final_bytes: int | None, final_load: dict | None) -> list[Criterion]:
+                   baseline_bytes: int | None, final_bytes: int | None, final_load: dict | None,
+                   ttft_classes: Sequence[str] = ()) -> list[Criterion]:
     """The overload check's criteria; latencies over requests sent in [start_s, start_s + duration_s), errors
     over every record."""
     judged = in_window(records, start_s, start_s + duration_s)
-    return [judge_admitted_ttft(judged, reference_ttft_s),
+    return [judge_admitted_ttft(judged, reference_ttft_s, classes=ttft_classes),
             judge_rejection_latency(judged),
             judge_memory(baseline_bytes, final_bytes),
             judge_errors(records),
@@ -253,21 +256,24 @@ def idle_memory(addr: str, pid: int | None, drain_timeout_s: float, settle_s: fl
 
 # ---- the run ------------------------------------------------------------------------------------------------------
 
-def capacity_from(args: argparse.Namespace) -> tuple[float, float | None]:
-    """(capacity in req/s, P99 TTFT at capacity in s or None) from --capacity or --sweep."""
+def capacity_from(args: argparse.Namespace) -> tuple[float, float | None, tuple[str, ...]]:
+    """(capacity in req/s, P99 TTFT at capacity in s or None, the classes that P99 is over) from --capacity or
+    --sweep; --reference-ttft and --ttft-classes override the sweep's."""
+    classes = tuple(c for c in (args.ttft_classes or "").split(",") if c)
     if args.capacity is not None:
-        return args.capacity, args.reference_ttft
+        return args.capacity, args.reference_ttft, classes
     sweep = json.loads(Path(args.sweep).read_text())
     if sweep.get("capacity_rps") is None:
         raise LoadgenError(f"{args.sweep}: the sweep found no capacity (no step passed)")
     at = sweep.get("at_capacity") or {}
-    return sweep["capacity_rps"], args.reference_ttft if args.reference_ttft is not None else at.get("p99_ttft_s")
+    reference = args.reference_ttft if args.reference_ttft is not None else at.get("p99_ttft_s")
+    return sweep["capacity_rps"], reference, classes or tuple(sweep.get("ttft_classes", ()))
 
 
 def soak(args: argparse.Namespace) -> int:
     if args.addr is not None:
         loopback_target(args.addr)  # before any call: nothing is ever sent off this machine
-    capacity, reference_ttft = capacity_from(args)
+    capacity, reference_ttft, ttft_classes = capacity_from(args)
     mode = "overload" if args.overload else "soak"
     rate = capacity * (args.factor if args.overload else args.fraction)
     duration = args.duration if args.duration is not None else (120.0 if args.overload else 600.0)
@@ -288,14 +294,14 @@ def soak(args: argparse.Namespace) -> int:
         addr = args.addr
         wait_serving(addr, None, args.start_timeout, None)
     try:
-        return _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft, out)
+        return _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft, ttft_classes, out)
     finally:
         if process is not None:
             code = stop_server(process)
             print(f"soak: server stopped (exit {code})", file=sys.stderr)
 
 
-def _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft, out: Path) -> int:
+def _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft, ttft_classes, out: Path) -> int:
     target, info = connect(addr, process.pid if process is not None else args.server_pid)
     mix = load_mix(args.mix) if args.mix else IDE_MIX
     warm_rate = capacity if mode == "overload" else rate
@@ -314,7 +320,8 @@ def _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft
     write_run(warm, out / "warmup", plots=False)
     baseline, _ = idle_memory(addr, target.server_pid, args.drain_timeout, args.settle)
     if mode == "overload" and reference_ttft is None:
-        reference_ttft = (warm["summary"]["overall"]["ttft_s"] or {}).get("p99")
+        warm_ok = [r for r in warm["records"] if r["status"] == OK and (not ttft_classes or r["class"] in ttft_classes)]
+        reference_ttft = (distribution(r.get("ttft_s") for r in warm_ok) or {}).get("p99")
     # 2) the run, then idle again: final memory and load
     lead_in = args.lead_in if args.lead_in is not None else (10.0 if mode == "overload" else 60.0)
     run = phase("run", rate, lead_in + duration, args.seed,
@@ -324,7 +331,8 @@ def _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft
     # 3) judge
     records = run["records"]
     if mode == "overload":
-        criteria = judge_overload(records, lead_in, duration, reference_ttft, baseline, final, final_load)
+        criteria = judge_overload(records, lead_in, duration, reference_ttft, baseline, final, final_load,
+                                  ttft_classes)
     else:
         criteria = judge_soak(records, lead_in, duration, baseline, final, final_load)
     passed = all(c.passed for c in criteria)
@@ -342,6 +350,7 @@ def _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft
                    "peak_during_run_bytes": max(rss) if rss else None,
                    "min_during_run_bytes": min(rss) if rss else None},
         "reference_ttft_s": reference_ttft,
+        "ttft_classes": list(ttft_classes),
         "tenths": {which: {key: dict(zip(("p99_s", "n"), tenth_p99(records, lead_in, duration, key, which)))
                            for key in ("ttft_s", "tpot_s")} for which in ("first", "last")},
         "final_load": final_load,
@@ -368,6 +377,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--factor", type=float, default=3.0, help="overload load as a multiple of capacity (default 3)")
     p.add_argument("--reference-ttft", type=float,
                    help="overload: P99 TTFT at capacity, seconds (default: the sweep's, else the warm-up's)")
+    p.add_argument("--ttft-classes", help="overload: request classes the TTFT comparison is over, comma-separated "
+                                          "(default: the sweep's --ttft-classes, else all)")
     p.add_argument("--duration", type=float, help="seconds of load (default 600; 120 with --overload)")
     p.add_argument("--warmup", type=float, default=60.0, help="seconds of warm-up load before the baseline")
     p.add_argument("--lead-in", type=float,
