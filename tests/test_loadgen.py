@@ -115,6 +115,20 @@ def test_a_short_run_writes_records_percentiles_samples_and_plots(tiny_server, m
     assert sorted(doc["plots"]) == sorted(p.name for p in out.glob("*.png"))
 
 
+def test_a_trace_drives_the_arrivals(tiny_server, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"offset_s": 0.0, "class": "a", "prompt_tokens": 20, "output_tokens": 3}\n'
+                     '{"offset_s": 0.3, "class": "b", "prompt_tokens": 150, "output_tokens": 5}\n'
+                     '{"offset_s": 0.1, "class": "a", "prompt_tokens": 9, "output_tokens": 2}\n')
+    out = tmp_path / "trace-run"
+    assert loadgen.main(["run", "--addr", tiny_server.address, "--trace", str(trace), "--out", str(out),
+                         "--no-progress", "--no-plots"]) == 0
+    doc = json.loads((out / "loadgen.json").read_text())
+    assert [(r["class"], r["scheduled_s"], r["prompt_tokens"], r["max_tokens"]) for r in doc["records"]] == \
+        [("a", 0.0, 20, 3), ("a", 0.1, 9, 2), ("b", 0.3, 150, 5)]
+    assert "trace trace.jsonl" in doc["meta"]["title"] and not list(out.glob("*.png"))
+
+
 def test_a_mix_the_server_cannot_hold_is_refused_with_the_limit(tiny_server, tmp_path, capsys):
     big = tmp_path / "big.yaml"
     big.write_text(json.dumps({"name": "big", "classes": [{"name": "huge", "share": 1, "prompt": [300, 400],
