@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from torch._C._profiler import _EventType
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from kernels.reference import PREPARE as CPU_PREPARE
 from runtime.trace import ActivationTensor, NodeKind, activation_tensors, node_kind
 
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "query_start", "slab_offset", "context_len",
@@ -129,6 +131,7 @@ class _BucketProgram:
             self._resolve(node)
         self.bound_to: tuple | None = None
         self.calls: list[_Call] = []
+        self._run_calls: list[Callable[[], object]] = []  # self.calls as argument-free callables
         self.result: torch.Tensor | None = None
 
     def _node(self, name: str) -> fx.Node:
@@ -200,11 +203,12 @@ class _BucketProgram:
                 calls.append(_Call(torch.Tensor.zero_, (env[node],), {}))
             elif kind == NodeKind.COMPUTE:
                 env[node] = self.views[node.name]
-                calls.append(_Call(self.out_ops[node], args, {**kwargs, "out": env[node]}))
+                calls.append(_Call(_direct_out_op(self.out_ops[node], args), args, {**kwargs, "out": env[node]}))
             else:  # CUSTOM
-                calls.append(_Call(node.target, args, kwargs))
+                calls.append(_prepared_call(node.target, args, kwargs))
                 env[node] = None
         self.calls, self.result = calls, result
+        self._run_calls = [partial(c.fn, *c.args, **c.kwargs) for c in calls]
         self.bound_to = tuple(inputs[name] for name in STEP_INPUTS)
 
     def _user_input(self, node: fx.Node, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -218,9 +222,29 @@ class _BucketProgram:
         bound = self.bound_to
         if bound is None or any(a is not b for a, b in zip(bound, (inputs[name] for name in STEP_INPUTS))):
             self.bind(inputs)
-        for call in self.calls:
-            call.fn(*call.args, **call.kwargs)
+        for call in self._run_calls:
+            call()
         return self.result
+
+
+def _direct_out_op(op: torch._ops.OpOverload, args: tuple) -> Callable:
+    """The callable that runs `op` (an .out overload) at bind time: its C++ entry point, skipping the Python
+    frame of OpOverload.__call__; a 2-D by 2-D `matmul.out` goes straight to `mm.out` (what matmul would call)."""
+    if (op == torch.ops.aten.matmul.out and len(args) == 2 and all(isinstance(a, torch.Tensor) and a.dim() == 2
+                                                                     for a in args)):
+        op = torch.ops.aten.mm.out
+    return getattr(op, "_op", op)
+
+
+def _prepared_call(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> _Call:
+    """A slabserve:: op bound to its tensors. On CPU the op's reference is prepared here, once (contract checks,
+    views: kernels.reference), and the call runs only its arithmetic; the prepared run and the op compute the
+    same values bit for bit. Elsewhere (CUDA) the op itself is called."""
+    name = op._schema.name.split("::", 1)[1]
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if name in CPU_PREPARE and tensors and all(t.device.type == "cpu" for t in tensors):
+        return _Call(CPU_PREPARE[name](*args, **kwargs), (), {})
+    return _Call(op, args, kwargs)
 
 
 def _arena_view(arena: torch.Tensor, offset: int, val: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,8 @@ class LlamaStep(nn.Module):
         x = self.weight("embed")[input_ids]  # (T, hidden)
         # The CPU references' scratch, shared by every op of every layer (they run one at a time); a planned
         # intermediate like any other. Attention over the longest slab sizes it. CUDA kernels need none.
-        scratch = torch.empty(cpu_workspace_numel(x.shape[0], c.num_heads, c.head_dim, self.max_context),
+        scratch = torch.empty(cpu_workspace_numel(x.shape[0], c.num_heads, c.head_dim, self.max_context,
+                                                  c.num_kv_heads),
                               dtype=torch.float32, device=x.device) if x.device.type == "cpu" else None
         for n in range(c.num_layers):
             x = self._attention_block(n, x, positions, slot_mapping, query_start, slab_offset, context_len,
