@@ -256,27 +256,42 @@ def idle_memory(addr: str, pid: int | None, drain_timeout_s: float, settle_s: fl
 
 # ---- the run ------------------------------------------------------------------------------------------------------
 
-def capacity_from(args: argparse.Namespace) -> tuple[float, float | None, tuple[str, ...]]:
-    """(capacity in req/s, P99 TTFT at capacity in s or None, the classes that P99 is over) from --capacity or
-    --sweep; --reference-ttft and --ttft-classes override the sweep's."""
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What one soak or overload run does, resolved from the command line."""
+    mode: str                        # "soak" | "overload"
+    capacity_rps: float
+    rate_rps: float                  # the judged run's arrival rate
+    warm_rate_rps: float             # the warm-up's (capacity for an overload: its P99 TTFT is the fallback reference)
+    duration_s: float                # judged
+    lead_in_s: float                 # run before the judged window, not judged
+    reference_ttft_s: float | None   # overload: P99 TTFT at capacity
+    ttft_classes: tuple[str, ...]    # overload: the classes that P99 is over (empty: all)
+
+
+def setup_from(args: argparse.Namespace) -> Setup:
+    """The run's setup from --capacity or --sweep (whose capacity, P99 TTFT there and TTFT classes it reads;
+    --reference-ttft and --ttft-classes override those)."""
     classes = tuple(c for c in (args.ttft_classes or "").split(",") if c)
-    if args.capacity is not None:
-        return args.capacity, args.reference_ttft, classes
-    sweep = json.loads(Path(args.sweep).read_text())
-    if sweep.get("capacity_rps") is None:
-        raise LoadgenError(f"{args.sweep}: the sweep found no capacity (no step passed)")
-    at = sweep.get("at_capacity") or {}
-    reference = args.reference_ttft if args.reference_ttft is not None else at.get("p99_ttft_s")
-    return sweep["capacity_rps"], reference, classes or tuple(sweep.get("ttft_classes", ()))
+    capacity, reference = args.capacity, args.reference_ttft
+    if capacity is None:
+        sweep = json.loads(Path(args.sweep).read_text())
+        if sweep.get("capacity_rps") is None:
+            raise LoadgenError(f"{args.sweep}: the sweep found no capacity (no step passed)")
+        capacity = sweep["capacity_rps"]
+        reference = reference if reference is not None else (sweep.get("at_capacity") or {}).get("p99_ttft_s")
+        classes = classes or tuple(sweep.get("ttft_classes", ()))
+    overload = args.overload
+    rate = capacity * (args.factor if overload else args.fraction)
+    return Setup("overload" if overload else "soak", capacity, rate, capacity if overload else rate,
+                 args.duration if args.duration is not None else (120.0 if overload else 600.0),
+                 args.lead_in if args.lead_in is not None else (10.0 if overload else 60.0), reference, classes)
 
 
 def soak(args: argparse.Namespace) -> int:
     if args.addr is not None:
         loopback_target(args.addr)  # before any call: nothing is ever sent off this machine
-    capacity, reference_ttft, ttft_classes = capacity_from(args)
-    mode = "overload" if args.overload else "soak"
-    rate = capacity * (args.factor if args.overload else args.fraction)
-    duration = args.duration if args.duration is not None else (120.0 if args.overload else 600.0)
+    setup = setup_from(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     process = None
@@ -294,75 +309,78 @@ def soak(args: argparse.Namespace) -> int:
         addr = args.addr
         wait_serving(addr, None, args.start_timeout, None)
     try:
-        return _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft, ttft_classes, out)
+        report = measure(args, setup, addr, process.pid if process is not None else args.server_pid, out)
     finally:
         if process is not None:
-            code = stop_server(process)
-            print(f"soak: server stopped (exit {code})", file=sys.stderr)
+            print(f"soak: server stopped (exit {stop_server(process)})", file=sys.stderr)
+    return 0 if report["passed"] else 1
 
 
-def _measure(args, addr, process, mode, capacity, rate, duration, reference_ttft, ttft_classes, out: Path) -> int:
-    target, info = connect(addr, process.pid if process is not None else args.server_pid)
+def measure(args: argparse.Namespace, setup: Setup, addr: str, server_pid: int | None, out: Path) -> dict:
+    """Warm up, take the idle baseline, run, take the idle final figures, judge; writes and prints the report."""
+    target, info = connect(addr, server_pid)
     mix = load_mix(args.mix) if args.mix else IDE_MIX
-    warm_rate = capacity if mode == "overload" else rate
-    base_meta = {"addr": addr, "mix": mix_to_dict(mix), "classes": [c.name for c in mix.classes]}
 
-    def phase(name: str, phase_rate: float, seconds: float, seed: int, arrivals: tuple[Arrival, ...] = ()) -> dict:
-        arrivals = arrivals or poisson_schedule(mix, phase_rate, seed, duration_s=seconds)
-        title = describe(f"{mode} {name}, Poisson {phase_rate:g} req/s", mix, seconds, info.plan_id)
+    def phase(name: str, rate: float, seconds: float, seed: int, arrivals: tuple[Arrival, ...] = ()) -> dict:
+        arrivals = arrivals or poisson_schedule(mix, rate, seed, duration_s=seconds)
+        title = describe(f"{setup.mode} {name}, Poisson {rate:g} req/s", mix, seconds, info.plan_id)
         options = DriveOptions(seed, args.drain_timeout, args.sample_interval, None, not args.no_progress,
-                               label=f"{mode} {name}")
-        return execute(target, info, arrivals, seconds, options,
-                       dict(base_meta, tool=f"soak {name}", title=title, rate=phase_rate, requests=len(arrivals)))
+                               label=f"{setup.mode} {name}")
+        meta = {"tool": f"soak {name}", "title": title, "addr": addr, "rate": rate, "mix": mix_to_dict(mix),
+                "classes": [c.name for c in mix.classes], "requests": len(arrivals)}
+        return execute(target, info, arrivals, seconds, options, meta)
 
     # 1) warm up, go idle, take the memory baseline
-    warm = phase("warm-up", warm_rate, args.warmup, args.seed + 1)
+    warm = phase("warm-up", setup.warm_rate_rps, args.warmup, args.seed + 1)
     write_run(warm, out / "warmup", plots=False)
     baseline, _ = idle_memory(addr, target.server_pid, args.drain_timeout, args.settle)
-    if mode == "overload" and reference_ttft is None:
-        warm_ok = [r for r in warm["records"] if r["status"] == OK and (not ttft_classes or r["class"] in ttft_classes)]
-        reference_ttft = (distribution(r.get("ttft_s") for r in warm_ok) or {}).get("p99")
-    # 2) the run, then idle again: final memory and load
-    lead_in = args.lead_in if args.lead_in is not None else (10.0 if mode == "overload" else 60.0)
-    run = phase("run", rate, lead_in + duration, args.seed,
-                soak_schedule(mix, rate, args.seed, lead_in, duration) if mode == "soak" else ())
+    # 2) the run (a soak's last tenth replays its first), then idle again: final memory and load
+    replaying = setup.mode == "soak"
+    run = phase("run", setup.rate_rps, setup.lead_in_s + setup.duration_s, args.seed,
+                soak_schedule(mix, setup.rate_rps, args.seed, setup.lead_in_s, setup.duration_s) if replaying else ())
     final, final_load = idle_memory(addr, target.server_pid, args.drain_timeout, args.settle)
     write_run(run, out / "run", plots=not args.no_plots)
     # 3) judge
-    records = run["records"]
-    if mode == "overload":
-        criteria = judge_overload(records, lead_in, duration, reference_ttft, baseline, final, final_load,
-                                  ttft_classes)
+    report = judge_run(setup, warm, run, baseline, final, final_load)
+    report["meta"].update(bundle=args.bundle, addr=addr, mix=mix_to_dict(mix), seed=args.seed, warmup_s=args.warmup)
+    path = out / "soak.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(run["meta"]["title"])
+    print(verdict_table([Criterion(**c) for c in report["criteria"]]))
+    print(f"wrote {path} and {out / 'run'}/")
+    return report
+
+
+def judge_run(setup: Setup, warm: dict, run: dict, baseline: int | None, final: int | None,
+              final_load: dict | None) -> dict:
+    """The report of a finished run: its criteria and verdict, and the figures behind them."""
+    records, start, duration = run["records"], setup.lead_in_s, setup.duration_s
+    reference = setup.reference_ttft_s
+    if setup.mode == "overload":
+        if reference is None:  # the warm-up ran at capacity
+            warm_ok = [r for r in warm["records"]
+                       if r["status"] == OK and (not setup.ttft_classes or r["class"] in setup.ttft_classes)]
+            reference = (distribution(r.get("ttft_s") for r in warm_ok) or {}).get("p99")
+        criteria = judge_overload(records, start, duration, reference, baseline, final, final_load,
+                                  setup.ttft_classes)
     else:
-        criteria = judge_soak(records, lead_in, duration, baseline, final, final_load)
-    passed = all(c.passed for c in criteria)
+        criteria = judge_soak(records, start, duration, baseline, final, final_load)
     rss = [s["bytes"] for s in run["samples"]["server_rss"]]
-    report = {
-        "meta": {"mode": mode, "title": run["meta"]["title"], "capacity_rps": capacity, "rate_rps": rate,
-                 "fraction" if mode == "soak" else "factor": args.fraction if mode == "soak" else args.factor,
-                 "duration_s": duration, "lead_in_s": lead_in, "warmup_s": args.warmup, "bundle": args.bundle,
-                 "addr": addr,
-                 "server": run["meta"]["server"], "mix": mix_to_dict(mix), "seed": args.seed},
-        "passed": passed,
+    return {
+        "meta": dict(asdict(setup), reference_ttft_s=reference, title=run["meta"]["title"],
+                     server=run["meta"]["server"]),
+        "passed": all(c.passed for c in criteria),
         "criteria": [asdict(c) for c in criteria],
         "memory": {"baseline_idle_bytes": baseline, "final_idle_bytes": final,
                    "growth_bytes": None if baseline is None or final is None else final - baseline,
                    "peak_during_run_bytes": max(rss) if rss else None,
                    "min_during_run_bytes": min(rss) if rss else None},
-        "reference_ttft_s": reference_ttft,
-        "ttft_classes": list(ttft_classes),
-        "tenths": {which: {key: dict(zip(("p99_s", "n"), tenth_p99(records, lead_in, duration, key, which)))
+        "tenths": {which: {key: dict(zip(("p99_s", "n"), tenth_p99(records, start, duration, key, which)))
                            for key in ("ttft_s", "tpot_s")} for which in ("first", "last")},
         "final_load": final_load,
         "summary": run["summary"],
         "warmup_summary": warm["summary"]["overall"],
     }
-    path = out / "soak.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(run["meta"]["title"])
-    print(verdict_table(criteria))
-    print(f"wrote {path} and {out / 'run'}/")
-    return 0 if passed else 1
 
 
 def parser() -> argparse.ArgumentParser:
