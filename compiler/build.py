@@ -18,7 +18,6 @@ Phases:
 from __future__ import annotations
 
 import importlib.metadata
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,13 +28,11 @@ from compiler.memplan import DEFAULT_ALIGNMENT, TensorSpec, plan_shared
 from compiler.slabs import SlabPlan, SlabPlanError, kv_bytes_per_token, plan_kv
 from compiler.spec import DTYPES, ResolvedModel, Spec, resolve_model, spec_to_dict
 from compiler.tracing import TracedBucket, trace_buckets
-from compiler.units import round_up
 from runtime import plan as P
 from runtime.config import ModelConfig, ModelLoadError
 from runtime.loader import open_config, open_model
-from runtime.model import pack_weights
+from runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, weight_layout
 
-WEIGHT_ALIGNMENT = 256  # bytes: every weight starts on a boundary any vector load or TMA descriptor accepts
 QUEUE_LIMIT = 64  # waiting requests per slab class (runtime.engine.EngineConfig's default)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -158,29 +155,15 @@ def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positio
 # 2) Weights
 
 
-class _MetaSource:
-    """HF-named tensors of the config's shapes on the meta device: pack_weights runs without any data."""
-
-    def __init__(self, config: ModelConfig):
-        self.shapes = config.weight_shapes()
-
-    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.empty(self.shapes[name], dtype=dtype, device="meta")
-
-
 def weight_arena(config: ModelConfig, dtype: str, rope_positions: int) -> P.WeightArena:
-    """The packed layout, in pack order, then the (P, D) float32 rope table, each aligned to WEIGHT_ALIGNMENT."""
-    packed = pack_weights(config, _MetaSource(config), TORCH_DTYPES[dtype])
-    items = [(name, tuple(t.shape), dtype) for name, t in packed.items()]
-    items.append(("rope_cos_sin", (rope_positions, config.head_dim), "float32"))
-    entries, offset = [], 0
-    for name, shape, dt in items:
-        nbytes = math.prod(shape) * P.DTYPE_SIZES[dt]
-        entries.append(P.WeightEntry(name=name, shape=shape, dtype=dt, offset=offset, nbytes=nbytes))
-        offset = round_up(offset + nbytes, WEIGHT_ALIGNMENT)
+    """The runtime's weight layout (runtime.model.weight_layout): the packed weights in pack order, then the (P, D)
+    float32 rope table, each aligned to WEIGHT_ALIGNMENT."""
+    slots, arena_bytes = weight_layout(config, TORCH_DTYPES[dtype], rope_positions)
+    entries = tuple(P.WeightEntry(name=s.name, shape=s.shape, dtype=DTYPE_NAMES[s.dtype], offset=s.offset,
+                                  nbytes=s.nbytes) for s in slots)
     parameter_bytes = sum(e.nbytes for e in entries if e.name != "rope_cos_sin")
-    return P.WeightArena(alignment=WEIGHT_ALIGNMENT, arena_bytes=offset, parameter_bytes=parameter_bytes,
-                         entries=tuple(entries))
+    return P.WeightArena(alignment=WEIGHT_ALIGNMENT, arena_bytes=arena_bytes, parameter_bytes=parameter_bytes,
+                         entries=entries)
 
 
 # ---------------------------------------------------------------------------------------------------------------

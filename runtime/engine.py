@@ -22,7 +22,7 @@ from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
 from runtime.loader import GGUFSource, WeightSource, open_model
 from runtime.graph_io import GRAPHS_FILE, read_programs
 from runtime.plan import config_fingerprint, read_plan_and_id
-from runtime.model import build_step
+from runtime.model import DTYPE_NAMES, build_step, weight_layout
 from runtime.sampler import Sampler, SamplingParams, make_generator
 from runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
 from runtime.slab_allocator import SlabClass
@@ -119,7 +119,7 @@ class Engine:
         if max_slab > c.context_limit:
             raise ValueError(f"slab class of {max_slab} tokens exceeds the model's context of {c.context_limit}: "
                              f"lower it by {max_slab - c.context_limit}")
-        self.step_fn = build_step(source, self.dtype, rope_positions=max_slab)
+        self.step_fn = build_step(source, self.dtype, rope_positions=max_slab)  # weights in one arena
         rows = sum(k.tokens * k.count for k in config.classes)
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -157,6 +157,7 @@ class Engine:
                                     "capacity planning only; build a plan from the model's weights to serve it")
         source = open_model(_plan_model_path(plan))
         _check_fingerprints(plan, source, Path(directory))
+        _check_weight_layout(plan, source)
         config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
                               plan.engine.dtype, plan.engine.queue_limit)
@@ -454,3 +455,15 @@ def _tokenizer_for(source: WeightSource) -> Tokenizer:
     if isinstance(source, GGUFSource):
         return Tokenizer.from_gguf(source.path, reader=source.reader)
     return Tokenizer.from_hf_dir(Path(source.path))
+
+
+def _check_weight_layout(plan, source: WeightSource) -> None:
+    """The plan's weight arena must be the one this runtime fills (runtime.model.weight_layout), byte for byte."""
+    slots, arena_bytes = weight_layout(source.config, DTYPES[plan.engine.dtype], plan.engine.rope_positions)
+    mine = [(s.name, tuple(s.shape), DTYPE_NAMES[s.dtype], s.offset, s.nbytes) for s in slots]
+    theirs = [(e.name, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in plan.weights.entries]
+    if mine != theirs or arena_bytes != plan.weights.arena_bytes:
+        first = next((f"{a} (plan: {b})" for a, b in zip(mine, theirs) if a != b),
+                     f"{len(mine)} entries, {arena_bytes} bytes (plan: {len(theirs)}, {plan.weights.arena_bytes})")
+        raise PlanMismatchError(f"the plan's weight arena differs from this runtime's layout at {first}: the plan "
+                                f"was built by another version of slabserve; rebuild it (build-plan)")

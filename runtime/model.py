@@ -16,7 +16,9 @@ skinny decode matmuls on CPU.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -36,15 +38,19 @@ class TensorSource(Protocol):
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
 
-def pack_weights(config: ModelConfig, source: TensorSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def pack_weights(config: ModelConfig, source: TensorSource, dtype: torch.dtype,
+                 place: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """HF-named weights -> the step's compute layout (fused, pre-transposed, contiguous, `dtype`).
 
-    Reads the source tensor by tensor so that peak memory stays near one copy of the model.
+    Reads the source tensor by tensor. `place(name, tensor)` (when given) moves each packed tensor to its final
+    home and returns it there (`build_step`: its place in the weight arena), so the temporary copy is freed before
+    the next one is made and peak memory stays near one copy of the model.
     """
     def take(name: str) -> torch.Tensor:
         return source.get(name, dtype)
 
-    packed: dict[str, torch.Tensor] = {"embed": take("model.embed_tokens.weight").contiguous()}
+    packed = _Placed(place)
+    packed["embed"] = take("model.embed_tokens.weight").contiguous()
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
         qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)  # (q+2kv, hidden)
@@ -62,14 +68,68 @@ def pack_weights(config: ModelConfig, source: TensorSource, dtype: torch.dtype) 
         packed["lm_head"] = packed["embed"].t().contiguous()  # (hidden, V)
     else:
         packed["lm_head"] = take("lm_head.weight").t().contiguous()  # (hidden, V)
-    return packed
+    return dict(packed)
+
+
+class _Placed(dict):
+    """A dict that passes every tensor stored in it through `place` first."""
+
+    def __init__(self, place: Callable[[str, torch.Tensor], torch.Tensor] | None):
+        super().__init__()
+        self._place = place
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        super().__setitem__(name, self._place(name, tensor) if self._place else tensor)
+
+
+# Every weight starts on a boundary any vector load or TMA descriptor accepts.
+WEIGHT_ALIGNMENT = 256
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlot:
+    """Where one packed weight lives in the weight arena."""
+
+    name: str                # pack_weights name ("embed", "3.wqkv", ...) or "rope_cos_sin"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int              # bytes from the arena's start, a multiple of WEIGHT_ALIGNMENT
+    nbytes: int
+
+
+def weight_layout(config: ModelConfig, dtype: torch.dtype, rope_positions: int) -> tuple[list[WeightSlot], int]:
+    """The weight arena: every packed weight in pack order, then the (P, D) float32 rope table, each aligned to
+    WEIGHT_ALIGNMENT; (slots, arena bytes). The compiler writes this layout into the plan and the runtime
+    allocates and fills exactly it (metadata only: pack_weights runs on meta tensors here)."""
+    shapes = config.weight_shapes()
+    meta = pack_weights(config, _MetaSource(shapes), dtype)
+    items = [(name, tuple(t.shape), dtype) for name, t in meta.items()]
+    items.append(("rope_cos_sin", (rope_positions, config.head_dim), torch.float32))
+    slots, offset = [], 0
+    for name, shape, dt in items:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dt, device="meta").element_size()
+        slots.append(WeightSlot(name, shape, dt, offset, nbytes))
+        offset += -(-nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
+    return slots, offset
+
+
+class _MetaSource:
+    """HF-named tensors of the config's shapes on the meta device: pack_weights runs without any data."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]):
+        self.shapes = shapes
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(self.shapes[name], dtype=dtype, device="meta")
 
 
 class LlamaStep(nn.Module):
     """The step function of one model. Parameters are buffers (never trained); KV caches are arguments."""
 
     def __init__(self, config: ModelConfig, packed: Mapping[str, torch.Tensor], rope_positions: int | None = None,
-                 freq_factors: torch.Tensor | None = None):
+                 freq_factors: torch.Tensor | None = None, rope_cos_sin: torch.Tensor | None = None):
+        """`rope_cos_sin`: the (P, D) float32 table already computed (and placed); else computed here."""
         super().__init__()
         self.config = config
         self.scale = config.head_dim ** -0.5
@@ -77,7 +137,9 @@ class LlamaStep(nn.Module):
             self.register_buffer(_buffer_name(name), tensor, persistent=True)
         positions = rope_positions or config.context_limit
         self.max_context = positions
-        self.register_buffer("rope_cos_sin", rope_table(config, positions, freq_factors))  # (P, D) float32
+        if rope_cos_sin is None:
+            rope_cos_sin = rope_table(config, positions, freq_factors)
+        self.register_buffer("rope_cos_sin", rope_cos_sin)  # (P, D) float32
 
     def weight(self, name: str) -> torch.Tensor:
         return getattr(self, _buffer_name(name))
@@ -140,7 +202,27 @@ def _buffer_name(name: str) -> str:
     return "w_" + name.replace(".", "_")
 
 
-def build_step(source, dtype: torch.dtype = torch.float32, rope_positions: int | None = None) -> LlamaStep:
-    """Load and pack a model from a runtime.loader.WeightSource into a ready step module."""
-    packed = pack_weights(source.config, source, dtype)
-    return LlamaStep(source.config, packed, rope_positions, source.freq_factors())
+def build_step(source, dtype: torch.dtype = torch.float32, rope_positions: int | None = None,
+               device: torch.device | str = "cpu") -> LlamaStep:
+    """Load and pack a model from a runtime.loader.WeightSource into a ready step module whose weights (and rope
+    table) all live in one weight arena, allocated once at `weight_layout`'s size (`step.weight_arena`)."""
+    config = source.config
+    positions = rope_positions or config.context_limit
+    slots, arena_bytes = weight_layout(config, dtype, positions)
+    where = {s.name: s for s in slots}
+    arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device)  # (arena_bytes,) the weight arena
+
+    def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        slot = where[name]
+        if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise ValueError(f"weight {name}: packed as {tuple(tensor.shape)} {tensor.dtype}, the weight layout "
+                             f"has {slot.shape} {slot.dtype}")
+        view = arena[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        return view.copy_(tensor)
+
+    packed = pack_weights(config, source, dtype, place)
+    rope = place("rope_cos_sin", rope_table(config, positions, source.freq_factors()))
+    step = LlamaStep(config, packed, positions, rope_cos_sin=rope)
+    step.weight_arena = arena
+    step.weight_slots = slots
+    return step

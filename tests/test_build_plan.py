@@ -188,7 +188,7 @@ def test_llama3_8b_h100_exact_bytes():
 
 def test_too_small_budget_lists_consumers_and_fixes(tmp_path, capsys):
     data = tiny_spec_dict()
-    data["target"] = {"device": "cpu", "memory": "768KiB", "reserve": "64KiB"}
+    data["target"] = {"device": "cpu", "memory": "1300KiB", "reserve": "64KiB"}
     data["kv"] = {"classes": [{"tokens": 64, "count": 2}, {"tokens": 256, "count": 2}]}
     code, out, err = run_cli(["build-plan", str(write_spec(tmp_path, data)), "--out", str(tmp_path / "b")], capsys)
     assert code == 1, err

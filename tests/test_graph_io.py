@@ -86,3 +86,34 @@ def test_a_truncated_file_is_refused(bundle, monkeypatch):
     (dst / GRAPHS_FILE).write_bytes(data[: len(data) // 2])
     with pytest.raises(GraphFormatError, match="not a valid graphs file"):
         Engine.from_plan(dst)
+
+
+def test_weights_fill_the_planned_weight_arena(bundle, monkeypatch):
+    """One weight arena of exactly the plan's bytes; every weight and the rope table at its planned offset."""
+    from runtime.plan import read_plan
+
+    monkeypatch.chdir(bundle)
+    engine, plan = Engine.from_plan(bundle / "bundle"), read_plan(bundle / "bundle")
+    arena = engine.step_fn.weight_arena
+    assert arena.numel() == plan.weights.arena_bytes == plan.totals.weights_bytes
+    buffers = dict(engine.step_fn.named_buffers())
+    assert len(buffers) == len(plan.weights.entries)
+    for entry in plan.weights.entries:
+        tensor = engine.step_fn.rope_cos_sin if entry.name == "rope_cos_sin" else engine.step_fn.weight(entry.name)
+        assert tensor.data_ptr() == arena.data_ptr() + entry.offset, entry.name
+        assert tuple(tensor.shape) == tuple(entry.shape) and tensor.nbytes == entry.nbytes
+
+
+def test_a_plan_with_another_weight_layout_is_refused(bundle, monkeypatch):
+    """Two same-sized weights swapped in the plan: a consistent plan, but not the layout this runtime fills."""
+    monkeypatch.chdir(bundle)
+    src, dst = bundle / "bundle", bundle / "swapped"
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    data = msgpack.unpackb((src / "plan.msgpack").read_bytes(), raw=False)
+    entries = data["weights"]["entries"]
+    a = next(i for i, e in enumerate(entries) if e["name"] == "0.attn_norm")
+    b = next(i for i, e in enumerate(entries) if e["name"] == "0.ffn_norm")
+    entries[a]["name"], entries[b]["name"] = entries[b]["name"], entries[a]["name"]
+    (dst / "plan.msgpack").write_bytes(msgpack.packb(data, use_bin_type=True))
+    with pytest.raises(PlanMismatchError, match="weight arena differs from this runtime's layout at .*0.attn_norm"):
+        Engine.from_plan(dst)

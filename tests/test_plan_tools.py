@@ -64,7 +64,7 @@ def test_verify_against_targets(bundles, capsys):
     assert "fits its own target" in capsys.readouterr().out
     assert main(["plan", "verify", str(bundles["a"]), "--target", "L4-24GB"]) == 0
     assert "fits L4-24GB" in capsys.readouterr().out
-    assert main(["plan", "verify", str(bundles["a"]), "--target", "cpu:700KiB", "--reserve", "0B"]) == 1
+    assert main(["plan", "verify", str(bundles["a"]), "--target", "cpu:1250KiB", "--reserve", "0B"]) == 1
     out = capsys.readouterr().out
     assert "does not fit" in out and "consumers, largest first" in out and "fewer" in out
 
