@@ -135,7 +135,7 @@ class Engine:
         self._graphs = (CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
                                         self.k_cache, self.v_cache) if self.k_cache.is_cuda else None)
         self.sampler = Sampler(config.max_seqs, c.vocab_size)
-        self._picked = torch.empty(config.max_seqs, c.vocab_size)              # (S, V) float32 rows to sample
+        self._picked = torch.zeros(config.max_seqs, c.vocab_size)              # (S, V) float32 rows to sample
         self.scheduler = Scheduler(config.classes, config.max_seqs, config.step_tokens, buckets, config.queue_limit)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()

@@ -296,7 +296,9 @@ class PlannedExecutor:
         missing = sorted(set(programs) - set(plan.offsets))
         if missing:
             raise PlanViolationError(f"the activation plan has no layout for buckets {missing}; rebuild the plan")
-        arena = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=device)  # (arena_bytes,)
+        # zero-filled, so every page is resident from the start: memory does not grow the first time a long
+        # sequence reaches a part of the scratch that warm-up left untouched
+        arena = torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=device)  # (arena_bytes,)
         return cls({b: (ep, plan.offsets[b]) for b, ep in programs.items()}, arena)
 
     def run(self, bucket: int, inputs: Mapping[str, torch.Tensor], k_cache: torch.Tensor,

@@ -52,13 +52,13 @@ class Sampler:
     def __init__(self, max_seqs: int, vocab_size: int):
         s, v = max_seqs, vocab_size
         self.vocab_size = v
-        self.sorted = torch.empty(s, v)                       # (S, V) logits / T, descending
-        self.order = torch.empty(s, v, dtype=torch.int64)     # (S, V) token id of each sorted column
-        self.probs = torch.empty(s, v)                        # (S, V) softmax of `sorted`, then cut
-        self.cumsum = torch.empty(s, v)                       # (S, V)
-        self.keep = torch.empty(s, v, dtype=torch.bool)       # (S, V)
-        self.mask = torch.empty(s, v, dtype=torch.bool)       # (S, V)
-        self.threshold = torch.empty(s, 1)                    # (S, 1)
+        self.sorted = torch.zeros(s, v)                       # (S, V) logits / T, descending
+        self.order = torch.zeros(s, v, dtype=torch.int64)     # (S, V) token id of each sorted column
+        self.probs = torch.zeros(s, v)                        # (S, V) softmax of `sorted`, then cut
+        self.cumsum = torch.zeros(s, v)                       # (S, V)
+        self.keep = torch.zeros(s, v, dtype=torch.bool)       # (S, V)
+        self.mask = torch.zeros(s, v, dtype=torch.bool)       # (S, V)
+        self.threshold = torch.zeros(s, 1)                    # (S, 1)
         self.column = torch.arange(v, dtype=torch.int64).expand(s, v)  # (S, V) view, no storage per row
         self.inv_temp = torch.ones(s, 1)                      # (S, 1)
         self.top_k = torch.zeros(s, 1, dtype=torch.int64)     # (S, 1)
