@@ -13,7 +13,9 @@ Threads (the Engine is not thread-safe):
 - One engine thread (`EngineLoop`) owns the Engine: between steps it runs every queued command (submit, abort,
   load, ...), then runs one step and puts each event into its request's sink. It sleeps on the command queue when
   the engine has no work.
-- `main` waits on the main thread for SIGTERM/SIGINT and then drains.
+- `main` checks that the plan fits the memory free here (runtime.memcheck) before
+  the Engine allocates, then waits on the main thread for SIGTERM/SIGINT and drains. The server writes no files:
+  a SIGKILL leaves nothing half-written, and a restart on the same bundle is a clean start.
 
 Cancellation: each Generate call registers a gRPC termination callback that posts `abort` to the engine thread.
 It fires when the client cancels or disconnects, when the call's deadline passes, and after normal completion
@@ -47,6 +49,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.slabserve.v1 import serving_pb2 as pb
 from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 from runtime.engine import Engine, EngineConfig, GenerationEvent, StoppingOptions
+from runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
 from runtime.metrics import Metrics
 from runtime.sampler import SamplingParams
 from runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError
@@ -646,6 +649,10 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--auth-token-file", help="file holding a bearer token every call must send")
     parser.add_argument("--open-health", action="store_true",
                         help="with --auth-token-file: answer health checks and reflection without the token")
+    parser.add_argument("--memory-limit", type=_size_arg, metavar="SIZE",
+                        help="most memory the server may use (8GiB, ...; a container's share, say): on CPU the "
+                             "whole process, on CUDA the plan's arenas on the device; a plan that does not fit "
+                             "it, or the memory free here, is refused at start")
     # Development and tests: build the engine from a model file and explicit sizes instead of a plan bundle.
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--classes", default="256x8,1024x4,2048x2", help=argparse.SUPPRESS)  # TOKENSxCOUNT,...
@@ -659,6 +666,13 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
     return args
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _access_from_args(args: argparse.Namespace) -> Access:
@@ -684,11 +698,13 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
         from runtime.engine import PlanMismatchError
         from runtime.executor import PlanViolationError
         from runtime.graph_io import GraphFormatError
-        from runtime.plan import PlanFormatError
+        from runtime.plan import PlanFormatError, read_plan
 
         try:
+            _check_memory(read_plan(args.bundle), args.memory_limit)  # before Engine.from_plan allocates anything
             return Engine.from_plan(args.bundle)
-        except (PlanFormatError, PlanMismatchError, PlanViolationError, ModelLoadError, GraphFormatError) as err:
+        except (PlanFormatError, PlanMismatchError, PlanViolationError, ModelLoadError, GraphFormatError,
+                InsufficientMemoryError) as err:
             raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
     classes = []
     for item in args.classes.split(","):
@@ -696,6 +712,14 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
         classes.append(SlabClass(int(tokens), int(count)))
     return Engine(EngineConfig(args.model, tuple(classes), max_seqs=args.max_seqs, step_tokens=args.step_tokens,
                                dtype=args.dtype, queue_limit=args.queue_limit))
+
+
+def _check_memory(plan, limit_bytes: int | None) -> None:
+    """Refuse (InsufficientMemoryError) a plan larger than the memory free here; log the figures either way."""
+    free = free_memory(plan.engine.device, limit_bytes)
+    log.info(json.dumps({"event": "memory_check", "planned_bytes": plan.totals.planned_bytes,
+                         "free_bytes": free.free_bytes, "free_source": free.source}))
+    check_plan_fits(plan, free)
 
 
 def _seconds_since_process_start() -> float:
