@@ -9,7 +9,8 @@ else (`_request_from_pb`, `_event_to_pb`), and `_status_for` is the one place ex
 Threads (the Engine is not thread-safe):
 - gRPC worker threads run the handlers: they validate and convert requests, tokenize (the tokenizer is read-only),
   and reach the engine only through `EngineLoop` commands. A Generate handler then blocks on its own event queue
-  (its *sink*) and yields each event as it arrives.
+  (its *sink*) and yields each event as it arrives. A request that does not even parse as protobuf is
+  INVALID_ARGUMENT too.
 - One engine thread (`EngineLoop`) owns the Engine: between steps it runs every queued command (submit, abort,
   load, ...), then runs one step and puts each event into its request's sink. It sleeps on the command queue when
   the engine has no work.
@@ -512,6 +513,60 @@ class _BearerToken(grpc.ServerInterceptor):
         return _refusal(handler)
 
 
+class _Undecodable:
+    """What a tolerant deserializer returns for bytes that are not the method's request message."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class _DecodeErrorsAsInvalidArgument(grpc.ServerInterceptor):
+    """Answers a request that does not parse (truncated bytes, a wrong wire type, a string that is not UTF-8: a
+    client that skips protobuf's own checks) with INVALID_ARGUMENT naming `request`, instead of grpc's INTERNAL
+    "Exception deserializing request!", so every status a client can provoke is a documented one. Methods whose
+    requests stream (reflection) keep grpc's own handling."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        return _tolerant(handler)
+
+
+def _tolerant(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` with a deserializer that never raises and a behavior that refuses what it could not decode."""
+    decode = handler.request_deserializer
+    behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+    def deserialize(data: bytes):
+        try:
+            return decode(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or anything a parser raises on garbage
+            return _Undecodable(str(exc) or type(exc).__name__)
+
+    def refuse(request: _Undecodable, context: grpc.ServicerContext) -> None:
+        code, message, trailers = _status_for(InvalidRequestError("request", f"cannot be decoded: {request.reason}"))
+        context.set_trailing_metadata(trailers)
+        context.abort(code, message)
+
+    def unary(request, context):
+        if isinstance(request, _Undecodable):
+            refuse(request, context)
+        return behavior(request, context)
+
+    def streaming(request, context):
+        if isinstance(request, _Undecodable):
+            refuse(request, context)
+        yield from behavior(request, context)
+
+    codec = dict(request_deserializer=deserialize, response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **codec)
+    return grpc.unary_unary_rpc_method_handler(unary, **codec)
+
+
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
     def deny(request, context):
@@ -549,7 +604,9 @@ class SlabServer:
         options = [("grpc.max_receive_message_length", limits.max_message_bytes),
                    ("grpc.max_send_message_length", limits.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
+        # The token check comes first: a caller without it learns nothing, not even whether its bytes parse.
         interceptors = [_BearerToken(access.token, access.open_health)] if access.token else []
+        interceptors.append(_DecodeErrorsAsInvalidArgument())
         self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
                                        options=options, maximum_concurrent_rpcs=workers, interceptors=interceptors)
         pb_grpc.add_SlabServeServicer_to_server(self.servicer, self.grpc_server)
