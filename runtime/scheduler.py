@@ -80,6 +80,12 @@ class QueueFullError(RuntimeError):
         self.class_tokens = class_tokens
         self.queue_limit = queue_limit
         self.retry_after_ms = retry_after_ms
+        self.measured = measured
+        self.busy = busy
+
+    def __reduce__(self):  # copy.copy: a fresh error with the same fields (the server raises one per refusal)
+        return (QueueFullError, (self.class_index, self.class_tokens, self.queue_limit, self.retry_after_ms,
+                                 self.measured, self.busy))
 
 
 # ---- value types --------------------------------------------------------------------------------------------------
@@ -288,6 +294,17 @@ class Scheduler:
         self._inflight = None
 
     # ---- introspection --------------------------------------------------------------------------------------------
+
+    def full_queues(self) -> dict[int, QueueFullError]:
+        """Per slab class whose next request `submit` would refuse right now (its queue at the limit and nothing
+        free that fits), the error it would raise. A snapshot: the server publishes it after every step so it can
+        answer RESOURCE_EXHAUSTED without waiting for the step in progress."""
+        full = {}
+        for home, waiting in enumerate(self._queues):
+            if len(waiting) >= self.queue_limit and (self.num_running >= self.max_seqs
+                                                     or self.allocator.smallest_free_class(home) is None):
+                full[home] = self._queue_full(home)
+        return full
 
     def load(self) -> Load:
         return Load(self.allocator.free_counts(), self.allocator.total_counts(),

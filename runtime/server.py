@@ -27,6 +27,7 @@ abort can never hit a newer request that reused the client's id.
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import functools
 import hmac
@@ -104,6 +105,8 @@ class EngineLoop:
         self._stopping = threading.Event()
         self.failure: BaseException | None = None
         self._heap_released = False
+        # slab class -> the RESOURCE_EXHAUSTED its next request gets; replaced (never mutated) by the engine thread
+        self._full_queues: dict[int, QueueFullError] = {}
         self._thread = threading.Thread(target=self._run, name="slabserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -128,7 +131,16 @@ class EngineLoop:
 
     def submit(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, stopping: StoppingOptions,
                engine_id: str) -> queue.SimpleQueue:
-        """Submit on the engine thread; returns the sink its events will arrive in. Raises the engine's errors."""
+        """Submit on the engine thread; returns the sink its events will arrive in. Raises the engine's errors.
+
+        A request whose slab class has a full queue (as of the last step) is refused here, at once: waiting for the
+        step in progress (up to a second on a CPU) to learn the same answer would make overload slow to refuse.
+        A queue that looks open still gets the engine thread's exact check."""
+        need = len(prompt_ids) + stopping.max_tokens
+        home = self.engine.scheduler.allocator.class_for(need) if need >= 1 else None
+        full = self._full_queues.get(home) if home is not None else None
+        if full is not None:
+            raise copy.copy(full)
         sink: queue.SimpleQueue = queue.SimpleQueue()
 
         def submit() -> None:
@@ -156,6 +168,7 @@ class EngineLoop:
                 if self.engine.has_work():
                     self._route(self.engine.step())
                     self.observe_load()
+                self._full_queues = self.engine.scheduler.full_queues()
         except BaseException as exc:  # noqa: BLE001 - the engine thread must report, not vanish
             self._fail(exc)
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -249,6 +250,15 @@ def test_queue_full_names_the_class_with_a_retry_hint(served):
         trailers = dict(err.value.trailing_metadata())
         assert trailers["slabserve-slab-class"] == "1" and int(trailers["retry-after-ms"]) > 0
         assert "slab class 1" in err.value.details() and "retry in about" in err.value.details()
+        # refused without waiting for the engine thread: held in a command here, it could not answer in 10 s
+        held = threading.Event()
+        served.server.loop.post(lambda: held.wait(60))
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                list(served.stub.Generate(pb.GenerateRequest(prompt="Write an essay", stopping=long), timeout=10))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        finally:
+            held.set()
     finally:
         for call in calls:
             call.cancel()
