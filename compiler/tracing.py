@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import torch
 
 from runtime.config import ModelConfig
-from runtime.model import LlamaStep
-from runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step, packed_shapes
+from runtime.model import LlamaStep, packed_shapes
+from runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
 
 
 @dataclass(frozen=True, slots=True)

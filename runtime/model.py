@@ -98,13 +98,29 @@ class WeightSlot:
     nbytes: int
 
 
+def packed_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of `pack_weights`' output (the step's compute layout), in its order."""
+    c = config
+    shapes = {"embed": (c.vocab_size, c.hidden_size)}
+    for n in range(c.num_layers):
+        shapes[f"{n}.wqkv"] = (c.hidden_size, c.q_size + 2 * c.kv_size)
+        if c.qkv_bias:
+            shapes[f"{n}.bqkv"] = (c.q_size + 2 * c.kv_size,)
+        shapes[f"{n}.wo"] = (c.q_size, c.hidden_size)
+        shapes[f"{n}.wgate_up"] = (c.hidden_size, 2 * c.intermediate_size)
+        shapes[f"{n}.wdown"] = (c.intermediate_size, c.hidden_size)
+        shapes[f"{n}.attn_norm"] = (c.hidden_size,)
+        shapes[f"{n}.ffn_norm"] = (c.hidden_size,)
+    shapes["norm"] = (c.hidden_size,)
+    shapes["lm_head"] = (c.hidden_size, c.vocab_size)
+    return shapes
+
+
 def weight_layout(config: ModelConfig, dtype: torch.dtype, rope_positions: int) -> tuple[list[WeightSlot], int]:
     """The weight arena: every packed weight in pack order, then the (P, D) float32 rope table, each aligned to
     WEIGHT_ALIGNMENT; (slots, arena bytes). The compiler writes this layout into the plan and the runtime
-    allocates and fills exactly it (metadata only: pack_weights runs on meta tensors here)."""
-    shapes = config.weight_shapes()
-    meta = pack_weights(config, _MetaSource(shapes), dtype)
-    items = [(name, tuple(t.shape), dtype) for name, t in meta.items()]
+    allocates and fills exactly it (build_step refuses a packed tensor that does not match its slot)."""
+    items = [(name, shape, dtype) for name, shape in packed_shapes(config).items()]
     items.append(("rope_cos_sin", (rope_positions, config.head_dim), torch.float32))
     slots, offset = [], 0
     for name, shape, dt in items:
@@ -112,16 +128,6 @@ def weight_layout(config: ModelConfig, dtype: torch.dtype, rope_positions: int) 
         slots.append(WeightSlot(name, shape, dt, offset, nbytes))
         offset += -(-nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
     return slots, offset
-
-
-class _MetaSource:
-    """HF-named tensors of the config's shapes on the meta device: pack_weights runs without any data."""
-
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]]):
-        self.shapes = shapes
-
-    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.empty(self.shapes[name], dtype=dtype, device="meta")
 
 
 class LlamaStep(nn.Module):

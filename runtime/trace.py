@@ -26,7 +26,7 @@ from torch.export import ExportedProgram
 
 import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
 from runtime.config import ModelConfig
-from runtime.model import LlamaStep
+from runtime.model import LlamaStep, packed_shapes
 
 
 class NodeKind(enum.Enum):
@@ -93,24 +93,6 @@ def meta_step(config: ModelConfig, dtype: torch.dtype = torch.float32, rope_posi
     with torch.device("meta"):
         packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config).items()}
         return LlamaStep(config, packed, rope_positions)
-
-
-def packed_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of `runtime.model.pack_weights`' output (the step's compute layout)."""
-    c = config
-    shapes = {"embed": (c.vocab_size, c.hidden_size)}
-    for n in range(c.num_layers):
-        shapes[f"{n}.wqkv"] = (c.hidden_size, c.q_size + 2 * c.kv_size)
-        if c.qkv_bias:
-            shapes[f"{n}.bqkv"] = (c.q_size + 2 * c.kv_size,)
-        shapes[f"{n}.wo"] = (c.q_size, c.hidden_size)
-        shapes[f"{n}.wgate_up"] = (c.hidden_size, 2 * c.intermediate_size)
-        shapes[f"{n}.wdown"] = (c.intermediate_size, c.hidden_size)
-        shapes[f"{n}.attn_norm"] = (c.hidden_size,)
-        shapes[f"{n}.ffn_norm"] = (c.hidden_size,)
-    shapes["norm"] = (c.hidden_size,)
-    shapes["lm_head"] = (c.hidden_size, c.vocab_size)
-    return shapes
 
 
 def step_example_inputs(config: ModelConfig, num_tokens: int, max_seqs: int, kv_rows: int,

@@ -288,5 +288,6 @@ def test_smollm2_default_plan(tmp_path):
     plan = read_plan(tmp_path / "b")
     assert plan.servable and plan.engine.model_format == "gguf" and plan.fingerprints.weights
     assert plan.totals.fits and plan.capacity.utilization > plan.capacity.baselines[0].utilization
-    assert [b.tokens for b in plan.activations.buckets] == list(plan.engine.buckets) == [1, 4, 16, 64, 256]
+    buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert [b.tokens for b in plan.activations.buckets] == list(plan.engine.buckets) == buckets
     print(f"build-plan of the default spec took {elapsed:.1f} s (target: under 90 s here)")  # reported, not asserted

@@ -99,3 +99,14 @@ def test_trace_is_stable_and_runs_on_meta_weights(tiny):
     assert (logits.shape, logits.last_use) == ((MAX_SEQS, config.vocab_size), len(meta.graph.nodes) - 1)
     assert graph_fingerprint(meta) == graph_fingerprint(
         export_step(meta_step(config, torch.float32, rope_positions=KV_ROWS), 4, MAX_SEQS, KV_ROWS))
+
+
+def test_weight_layout_shapes_are_what_pack_weights_makes(tiny):
+    """The weight arena's layout is computed from shapes alone; it must name pack_weights' tensors in its order."""
+    from runtime.model import packed_shapes
+
+    config, step, _ = tiny
+    slots = [(s.name, s.shape) for s in step.weight_slots if s.name != "rope_cos_sin"]
+    assert slots == list(packed_shapes(config).items())
+    buffers = [(n.removeprefix("w_"), tuple(b.shape)) for n, b in step.named_buffers() if n != "rope_cos_sin"]
+    assert [shape for _, shape in buffers] == [shape for _, shape in slots]
