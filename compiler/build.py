@@ -33,7 +33,6 @@ from runtime.config import ModelConfig, ModelLoadError
 from runtime.loader import open_config, open_model
 from runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, weight_layout
 
-QUEUE_LIMIT = 64  # waiting requests per slab class (runtime.engine.EngineConfig's default)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -148,7 +147,7 @@ def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positio
         model_path=shown, model_format=resolved.kind if spec.model.servable else "config",
         model_package=spec.model.package, model_file=spec.model.file, dtype=spec.dtype, kv_dtype=spec.kv_dtype,
         device=spec.target.device, max_seqs=spec.max_seqs, step_tokens=spec.step_tokens, buckets=spec.buckets,
-        queue_limit=QUEUE_LIMIT, rope_positions=rope_positions)
+        queue_limit=spec.queue_limit, rope_positions=rope_positions)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ The shape of a spec (`?` marks an optional key; its default follows `=`):
     max_seqs: 32                       # sequences running at once
     step_tokens: 256                   # token budget of one step; >= max_seqs so one step can decode them all
     buckets?: [1, 2, 4, ..., step_tokens]   # static step shapes; ascending, the last one is step_tokens
+    queue_limit?: 64                   # waiting requests per slab class; beyond it RESOURCE_EXHAUSTED at once
     max_context: 8192                  # longest prompt + output of one request
     kv:                                # exactly one of `classes` and `workload`
       classes: [{tokens: 512, count: 24}, {tokens: 8192, count: 2}]   # ascending tokens
@@ -147,6 +148,10 @@ class KVSpec:
     budget_bytes: int | None = None  # None: the compiler gives KV what the target has left
 
 
+DEFAULT_QUEUE_LIMIT = 64  # waiting requests per slab class
+MAX_QUEUE_LIMIT = 100_000
+
+
 @dataclass(frozen=True, slots=True)
 class Spec:
     name: str
@@ -159,6 +164,7 @@ class Spec:
     buckets: tuple[int, ...]
     max_context: int
     kv: KVSpec
+    queue_limit: int = DEFAULT_QUEUE_LIMIT  # waiting requests per slab class
     source: str = field(default="<spec>", compare=False)  # where the spec came from, for messages only
 
     @property
@@ -312,7 +318,9 @@ def _show(value: object) -> str:
 # Sections
 
 
-_TOP_KEYS = ("name", "model", "target", "dtype", "kv_dtype", "max_seqs", "step_tokens", "buckets", "max_context", "kv")
+_TOP_KEYS = ("name", "model", "target", "dtype", "kv_dtype", "max_seqs", "step_tokens", "buckets", "queue_limit",
+             "max_context", "kv")
+
 _TOP_REQUIRED = ("name", "model", "target", "max_seqs", "step_tokens", "max_context", "kv")
 
 
@@ -330,6 +338,9 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         raise _Invalid(f"step_tokens: {step_tokens} is below max_seqs ({max_seqs}); one step must be able to "
                        f"decode every running sequence: raise step_tokens to >= {max_seqs} or lower max_seqs")
     buckets = _parse_buckets(top.get("buckets"), step_tokens)
+    queue_limit = _int(top.get("queue_limit", DEFAULT_QUEUE_LIMIT), "queue_limit")
+    if queue_limit > MAX_QUEUE_LIMIT:
+        raise _Invalid(f"queue_limit: {queue_limit} is not allowed; expected an integer from 1 to {MAX_QUEUE_LIMIT}")
     max_context = _int(top["max_context"], "max_context")
     return Spec(
         name=name,
@@ -342,6 +353,7 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         buckets=buckets,
         max_context=max_context,
         kv=_parse_kv(top["kv"], max_context, max_seqs, target, base),
+        queue_limit=queue_limit,
         source=source,
     )
 
@@ -647,6 +659,7 @@ def spec_to_dict(spec: Spec) -> dict[str, Any]:
         "max_seqs": spec.max_seqs,
         "step_tokens": spec.step_tokens,
         "buckets": list(spec.buckets),
+        "queue_limit": spec.queue_limit,
         "max_context": spec.max_context,
         "kv": _kv_to_dict(spec.kv),
     }

@@ -289,5 +289,6 @@ def test_smollm2_default_plan(tmp_path):
     assert plan.servable and plan.engine.model_format == "gguf" and plan.fingerprints.weights
     assert plan.totals.fits and plan.capacity.utilization > plan.capacity.baselines[0].utilization
     buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert plan.engine.queue_limit == yaml.safe_load((ROOT / "plans/smollm2-135m.yaml").read_text())["queue_limit"]
     assert [b.tokens for b in plan.activations.buckets] == list(plan.engine.buckets) == buckets
     print(f"build-plan of the default spec took {elapsed:.1f} s (target: under 90 s here)")  # reported, not asserted
