@@ -32,6 +32,7 @@ from runtime import plan as P
 from runtime.config import ModelConfig, ModelLoadError
 from runtime.loader import open_config, open_model
 from runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, weight_layout
+from runtime.step import logits_rows
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -209,11 +210,12 @@ def _check_same_activations(sizing: list[TracedBucket], traced: list[TracedBucke
 
 def staging_buffers(spec: Spec, config: ModelConfig) -> P.Staging:
     """Bytes of runtime.step.StepInputs for every bucket and of runtime.sampler.Sampler, as those classes make
-    them: per bucket 3 (T,) int64 + (S+1,) int32 + 2 (S,) int64 + (S,) int32; the sampler's (S, V) buffers are
+    them: per bucket 3 (T,) int64 + (S+1,) int32 + (S,) int64 + (S,) int32 + (R,) int64 logits rows
+    (R = runtime.step.logits_rows(T, S)); the sampler's (S, V) buffers are
     three float32, one int64 and two bool, plus an int64 arange of V and per-row scalars; the engine's (S, V)
     float32 rows picked for sampling."""
     s, v = spec.max_seqs, config.vocab_size
-    step_inputs = sum(24 * t + 4 * (s + 1) + 16 * s + 4 * s for t in spec.buckets)
+    step_inputs = sum(24 * t + 4 * (s + 1) + 8 * s + 4 * s + 8 * logits_rows(t, s) for t in spec.buckets)
     sampler = s * v * (3 * 4 + 8 + 2 * 1 + 4) + 8 * v + s * (4 + 4 + 8 + 4 + 4 + 4 + 8 + 8 + 8)
     return P.Staging(step_inputs_bytes=step_inputs, sampler_bytes=sampler, total_bytes=step_inputs + sampler)
 

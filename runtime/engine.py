@@ -233,7 +233,7 @@ class Engine:
         for chunk in scheduled.chunks:
             live = self._live[chunk.request_id]
             live.started = live.started or now
-        logits = self._run_step(scheduled.bucket)  # (S, V)
+        logits = self._run_step(scheduled.bucket)  # (R, V)
         # 2) sample the rows that end a sequence's known tokens
         sampled = self._sample(scheduled, logits)
         # 3) let the scheduler advance, then turn tokens into text and match stop strings
@@ -242,7 +242,8 @@ class Engine:
         return events
 
     def _run_step(self, bucket: int) -> torch.Tensor:
-        """The step of `bucket` on its filled inputs: logits (S, V), a view into the activation arena."""
+        """The step of `bucket` on its filled inputs: logits (R, V) (R = runtime.step.logits_rows), a view into the
+        activation arena."""
         if self._graphs is not None:
             return self._graphs.run(bucket, self.inputs[bucket].tensors())
         return self.executor.run(bucket, self.inputs[bucket].tensors(), self.k_cache, self.v_cache)
@@ -274,12 +275,12 @@ class Engine:
         The warm-up writes K/V rows of free slabs only; a request's prefill overwrites them before it reads."""
         params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
         generators = [make_generator(0), make_generator(1)]
-        rows = list(range(min(2, self.config.max_seqs)))
         for bucket, inputs in self.inputs.items():
             inputs.fill(self._warm_up_chunks(bucket))
         def every_bucket() -> None:
             for bucket in self.inputs:
-                logits = self._run_step(bucket)
+                logits = self._run_step(bucket)  # (R, V), R = logits_rows(bucket, max_seqs)
+                rows = list(range(min(2, logits.shape[0])))
                 self._sample_rows(logits, rows, params[: len(rows)], generators[: len(rows)])
         every_bucket()
         check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up")

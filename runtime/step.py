@@ -22,6 +22,11 @@ class SeqChunk:
     slab_tokens: int = 0      # capacity of the slab in rows; 0 = unchecked
 
 
+def logits_rows(num_tokens: int, max_seqs: int) -> int:
+    """Rows of logits a step of `num_tokens` tokens returns: one per sequence it can hold."""
+    return min(num_tokens, max_seqs)
+
+
 class StepInputs:
     """Preallocated inputs of one bucket. `fill` writes them in place and returns the number of real tokens."""
 
@@ -37,7 +42,9 @@ class StepInputs:
         self.query_start = buf(max_seqs + 1, torch.int32)   # (S+1,)
         self.slab_offset = buf(max_seqs, torch.int64)       # (S,)
         self.context_len = buf(max_seqs, torch.int32)       # (S,)
-        self.logits_indices = buf(max_seqs, torch.int64)    # (S,)
+        # (R,) R = logits_rows(T, S): a step of T tokens holds at most T sequences, so a small bucket computes
+        # only the logits it can need (the lm_head GEMM is the largest of the step)
+        self.logits_indices = buf(logits_rows(num_tokens, max_seqs), torch.int64)
         self._np = {name: t.numpy() for name, t in self.tensors().items()}
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from torch.export import ExportedProgram
 import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
 from runtime.config import ModelConfig
 from runtime.model import LlamaStep, packed_shapes
+from runtime.step import logits_rows
 
 
 class NodeKind(enum.Enum):
@@ -105,7 +106,7 @@ def step_example_inputs(config: ModelConfig, num_tokens: int, max_seqs: int, kv_
     return {"input_ids": z(num_tokens, torch.int64), "positions": z(num_tokens, torch.int64),
             "slot_mapping": torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
             "query_start": z(max_seqs + 1, torch.int32), "slab_offset": z(max_seqs, torch.int64),
-            "context_len": z(max_seqs, torch.int32), "logits_indices": z(max_seqs, torch.int64),
+            "context_len": z(max_seqs, torch.int32), "logits_indices": z(logits_rows(num_tokens, max_seqs), torch.int64),
             "k_cache": torch.zeros(kv, dtype=dtype, device=device), "v_cache": torch.zeros(kv, dtype=dtype, device=device)}
 
 

@@ -47,8 +47,9 @@ def steady_loop(config, executor, k, v):
         bucket = 4 if pos % 2 else 1
         chunks = [SeqChunk(0, pos, [a]), SeqChunk(KV_ROWS // 2, pos, [b])] if bucket == 4 else [SeqChunk(0, pos, [a])]
         inputs[bucket].fill(chunks)
-        logits = executor.run(bucket, inputs[bucket].tensors(), k, v)  # (S, V)
-        state["tokens"] = sampler.sample(logits, params, generators).tolist()  # both rows (bucket 1: one padding)
+        logits = executor.run(bucket, inputs[bucket].tensors(), k, v)  # (R, V): one row at bucket 1, two at 4
+        n = logits.shape[0]
+        state["tokens"] = [*sampler.sample(logits, params[:n], generators[:n]).tolist(), b][:2]
         state["pos"] += 1
 
     return one_step
