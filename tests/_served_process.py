@@ -23,7 +23,7 @@ from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 SERVING = health_pb2.HealthCheckResponse.SERVING
-TINY_CLASSES = ({"tokens": 64, "count": 4}, {"tokens": 256, "count": 2})   # max_seqs 6; plans queue 64 per class
+TINY_CLASSES = ({"tokens": 64, "count": 4}, {"tokens": 256, "count": 2})   # max_seqs 6, queue_limit 64 per class
 
 
 def build_tiny_bundle(root: Path, name: str = "tiny-served", **spec_overrides) -> Path:
@@ -37,7 +37,7 @@ def build_tiny_bundle(root: Path, name: str = "tiny-served", **spec_overrides) -
     if not (root / "model").exists():
         make_served_tiny_model(root / "model")
     spec = {"name": name, "model": {"path": "model"}, "target": {"device": "cpu", "memory": "1GiB"},
-            "max_seqs": 6, "step_tokens": 32, "buckets": [1, 8, 32], "max_context": 256,
+            "max_seqs": 6, "step_tokens": 32, "buckets": [1, 8, 32], "max_context": 256, "queue_limit": 64,
             "kv": {"classes": [dict(c) for c in TINY_CLASSES]}, **spec_overrides}
     (root / "spec.yaml").write_text(yaml.safe_dump(spec))
     write_bundle(build_plan(load_spec(root / "spec.yaml", base_dir=root), root), root / "bundle")
