@@ -151,7 +151,7 @@ def _cmd_diff(ns: argparse.Namespace) -> int:
 def _cmd_verify(ns: argparse.Namespace) -> int:
     from compiler.fit import check_plan_against
     from compiler.spec import DEFAULT_RESERVE, GPUS
-    from compiler.units import parse_bytes
+    from runtime.units import parse_bytes
 
     plan, pid = _read(ns.bundle)
     name = ns.target

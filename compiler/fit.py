@@ -12,7 +12,7 @@ from typing import Sequence
 
 from compiler.slabs import SlabPlan
 from compiler.spec import GPUS, Spec
-from compiler.units import format_bytes
+from runtime.units import format_bytes
 from runtime import plan as P
 
 

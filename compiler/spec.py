@@ -18,7 +18,7 @@ The shape of a spec (`?` marks an optional key; its default follows `=`):
       weights?: load | none = load     # none: plan capacity from the config alone; the plan is not servable
     target:
       device: cpu | cuda
-      memory: 6GiB                     # exactly one of `memory` (see compiler/units.py) and `gpu` (see GPUS)
+      memory: 6GiB                     # exactly one of `memory` (see runtime/units.py) and `gpu` (see GPUS)
       gpu: H100-80GB
       reserve?: 1GiB on cuda, 256MiB on cpu   # the framework's own context, not planned by slabserve
     dtype?: float32 on cpu, bfloat16 on cuda  # weights and activations
@@ -53,7 +53,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from compiler.units import format_bytes, parse_bytes
+from runtime.units import format_bytes, parse_bytes
 
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 DEVICES = ("cpu", "cuda")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler.units import format_bytes
+from runtime.units import format_bytes
 from runtime import plan as P
 
 

@@ -16,17 +16,11 @@ imports torch only for a CUDA plan.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 from runtime.plan import Plan
-
-# The spellings of the serving spec's sizes (compiler/units.py, which runtime/ may not import): case-sensitive.
-_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4,
-          "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
-_SIZE_RE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?) ?(?P<unit>[A-Za-z]*)")
+from runtime.units import format_bytes, parse_bytes
 
 
 class InsufficientMemoryError(RuntimeError):
@@ -41,30 +35,14 @@ class FreeMemory:
 
 
 def parse_size(text: str) -> int:
-    """`8GiB`, `512 MiB`, `4000000000` (bytes) -> bytes; ValueError names the allowed units."""
-    match = _SIZE_RE.fullmatch(text.strip())
-    unit = (match["unit"] or "B") if match is not None else None
-    if unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: expected a number of bytes or a number with one of the units "
-                         f"{', '.join(_UNITS)} (case-sensitive), for example 8GiB")
-    exact = Fraction(match["number"]) * _UNITS[unit]
-    if exact.denominator != 1:
-        raise ValueError(f"{text!r} is not a whole number of bytes")
-    return int(exact)
-
-
-def format_size(num_bytes: int) -> str:
-    """`1.5 GiB`: the largest binary unit that keeps the number >= 1, with up to 2 decimals."""
-    size = abs(num_bytes)
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        if size >= _UNITS[unit]:
-            text = f"{size / _UNITS[unit]:.2f}".rstrip("0").rstrip(".")
-            return f"{'-' if num_bytes < 0 else ''}{text} {unit}"
-    return f"{num_bytes} B"
+    """`8GiB`, `512 MiB`, `4000000000` (bytes) -> bytes, in the serving spec's spellings (runtime.units);
+    ValueError names the allowed units."""
+    text = text.strip()
+    return parse_bytes(int(text) if text.isdigit() else text)
 
 
 def _exact(num_bytes: int) -> str:
-    return f"{format_size(num_bytes)} ({num_bytes} bytes)"
+    return f"{format_bytes(num_bytes)} ({num_bytes} bytes)"
 
 
 def _meminfo_kib(field: str, path: Path = Path("/proc/meminfo")) -> int:
@@ -88,7 +66,7 @@ def free_memory(device: str, limit_bytes: int | None = None) -> FreeMemory:
         free, _ = torch.cuda.mem_get_info()
         figure = FreeMemory(free, "free on the CUDA device (torch.cuda.mem_get_info)")
         if limit_bytes is not None and limit_bytes < free:
-            figure = FreeMemory(limit_bytes, f"--memory-limit {format_size(limit_bytes)}", limit_bytes)
+            figure = FreeMemory(limit_bytes, f"--memory-limit {format_bytes(limit_bytes)}", limit_bytes)
         return figure
     try:
         figure = FreeMemory(_meminfo_kib("MemAvailable") * 1024, "MemAvailable in /proc/meminfo")
@@ -97,8 +75,8 @@ def free_memory(device: str, limit_bytes: int | None = None) -> FreeMemory:
     if limit_bytes is not None:
         held = resident_bytes()
         if limit_bytes - held < figure.free_bytes:
-            figure = FreeMemory(limit_bytes - held, f"--memory-limit {format_size(limit_bytes)} less the "
-                                                    f"{format_size(held)} this process already holds", limit_bytes)
+            figure = FreeMemory(limit_bytes - held, f"--memory-limit {format_bytes(limit_bytes)} less the "
+                                                    f"{format_bytes(held)} this process already holds", limit_bytes)
     return figure
 
 
@@ -113,14 +91,14 @@ def check_plan_fits(plan: Plan, free: FreeMemory) -> None:
         fixes.append(f"shrink the plan by at least {_exact(short)} and rebuild it with build-plan "
                      f"({_kv_fix(plan, short)})")
     if free.limit_bytes is not None:
-        fixes.append(f"raise --memory-limit to at least {format_size(free.limit_bytes + short)} "
+        fixes.append(f"raise --memory-limit to at least {format_bytes(free.limit_bytes + short)} "
                      f"({free.limit_bytes + short} bytes)")
     else:
         fixes.append("serve it where more memory is free")
     raise InsufficientMemoryError(
-        f"plan {plan.name!r} needs {format_size(t.planned_bytes)} ({t.planned_bytes} bytes: weights "
-        f"{format_size(t.weights_bytes)}, KV {format_size(t.kv_bytes)}, activations "
-        f"{format_size(t.activations_bytes)}, staging {format_size(t.staging_bytes)}) but "
+        f"plan {plan.name!r} needs {format_bytes(t.planned_bytes)} ({t.planned_bytes} bytes: weights "
+        f"{format_bytes(t.weights_bytes)}, KV {format_bytes(t.kv_bytes)}, activations "
+        f"{format_bytes(t.activations_bytes)}, staging {format_bytes(t.staging_bytes)}) but "
         f"{_exact(max(free.free_bytes, 0))} is free ({free.source}): {'; or '.join(fixes)}")
 
 
@@ -130,12 +108,12 @@ def _kv_fix(plan: Plan, short: int) -> str:
     if "workload" in plan.spec.get("kv", {}):
         if kv.arena_bytes > short:
             return f"kv.budget: {kv.arena_bytes - short} or less, and the compiler plans fewer slabs"
-        return f"the KV arena ({format_size(kv.arena_bytes)}) alone cannot free that much"
+        return f"the KV arena ({format_bytes(kv.arena_bytes)}) alone cannot free that much"
     for entry in sorted(kv.classes, key=lambda c: -c.tokens):  # the largest slabs free the most per slab
         slab_bytes = entry.tokens * kv.bytes_per_token
         fewer = math.ceil(short / slab_bytes)
         if fewer < entry.count:
             return (f"kv.classes: {fewer} fewer {entry.tokens}-token slabs, count {entry.count} -> "
-                    f"{entry.count - fewer}, free {format_size(fewer * slab_bytes)}")
+                    f"{entry.count - fewer}, free {format_bytes(fewer * slab_bytes)}")
     return (f"no one slab class frees that much: fewer or smaller kv.classes (the KV arena is "
-            f"{format_size(kv.arena_bytes)}), a smaller kv_dtype, fewer step_tokens or a smaller model")
+            f"{format_bytes(kv.arena_bytes)}), a smaller kv_dtype, fewer step_tokens or a smaller model")

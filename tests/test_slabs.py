@@ -17,7 +17,7 @@ from compiler.slabs import (
     plan_slabs,
     verify_slab_plan,
 )
-from compiler.units import round_up
+from runtime.units import round_up
 
 GiB = 1024**3
 SMOLLM2_BPT = 2 * 30 * 3 * 64 * 4  # fp32 K and V, 30 layers, 3 KV heads of 64

@@ -16,7 +16,7 @@ from compiler.spec import (
     resolve_model,
     spec_to_dict,
 )
-from compiler.units import format_bytes, parse_bytes
+from runtime.units import format_bytes, parse_bytes
 
 GiB = 1024**3
 
