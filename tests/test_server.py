@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from _models import smollm2_path
+from _served_process import idle_load
 from proto.slabserve.v1 import serving_pb2 as pb
 from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 from runtime.engine import Engine, EngineConfig, StoppingOptions
@@ -121,18 +122,8 @@ def _collect(call) -> tuple[tuple[int, ...], str, pb.GenerationFinished]:
     raise AssertionError("stream ended without a finished event")
 
 
-def _all_free(stub, timeout: float = 15.0) -> pb.GetLoadResponse:
-    """GetLoad once nothing runs or waits (cancellations land at the next step), then every slab must be free."""
-    deadline = time.monotonic() + timeout
-    while True:
-        load = stub.GetLoad(pb.GetLoadRequest(), timeout=10)
-        if (load.running == 0 and load.queued == 0) or time.monotonic() > deadline:
-            return load
-        time.sleep(0.1)
-
-
 def _assert_every_slab_free(stub) -> None:
-    load = _all_free(stub)
+    load = idle_load(stub)  # cancellations land at the next step
     assert load.running == 0 and load.queued == 0
     assert [(c.free_slabs, c.total_slabs) for c in load.classes] == [(c.count, c.count) for c in CLASSES]
 
