@@ -148,7 +148,7 @@ def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positio
         model_path=shown, model_format=resolved.kind if spec.model.servable else "config",
         model_package=spec.model.package, model_file=spec.model.file, dtype=spec.dtype, kv_dtype=spec.kv_dtype,
         device=spec.target.device, max_seqs=spec.max_seqs, step_tokens=spec.step_tokens, buckets=spec.buckets,
-        queue_limit=spec.queue_limit, rope_positions=rope_positions)
+        queue_limit=spec.queue_limit, rope_positions=rope_positions, max_queue_delay_ms=spec.max_queue_delay_ms)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ The shape of a spec (`?` marks an optional key; its default follows `=`):
     step_tokens: 256                   # token budget of one step; >= max_seqs so one step can decode them all
     buckets?: [1, 2, 4, ..., step_tokens]   # static step shapes; ascending, the last one is step_tokens
     queue_limit?: 64                   # waiting requests per slab class; beyond it RESOURCE_EXHAUSTED at once
+    max_queue_delay_ms?: none          # admission by latency: refuse (RESOURCE_EXHAUSTED) a request whose first
+                                       # token, or an admitted one's, would wait longer than this for the work
+                                       # ahead of it (runtime/admission.py)
     max_context: 8192                  # longest prompt + output of one request
     kv:                                # exactly one of `classes` and `workload`
       classes: [{tokens: 512, count: 24}, {tokens: 8192, count: 2}]   # ascending tokens
@@ -53,6 +56,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from runtime.plan import MAX_QUEUE_DELAY_MS
 from runtime.units import format_bytes, parse_bytes
 
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
@@ -165,6 +169,7 @@ class Spec:
     max_context: int
     kv: KVSpec
     queue_limit: int = DEFAULT_QUEUE_LIMIT  # waiting requests per slab class
+    max_queue_delay_ms: int | None = None   # admission by latency; None: off
     source: str = field(default="<spec>", compare=False)  # where the spec came from, for messages only
 
     @property
@@ -319,7 +324,7 @@ def _show(value: object) -> str:
 
 
 _TOP_KEYS = ("name", "model", "target", "dtype", "kv_dtype", "max_seqs", "step_tokens", "buckets", "queue_limit",
-             "max_context", "kv")
+             "max_queue_delay_ms", "max_context", "kv")
 
 _TOP_REQUIRED = ("name", "model", "target", "max_seqs", "step_tokens", "max_context", "kv")
 
@@ -341,6 +346,12 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
     queue_limit = _int(top.get("queue_limit", DEFAULT_QUEUE_LIMIT), "queue_limit")
     if queue_limit > MAX_QUEUE_LIMIT:
         raise _Invalid(f"queue_limit: {queue_limit} is not allowed; expected an integer from 1 to {MAX_QUEUE_LIMIT}")
+    delay = top.get("max_queue_delay_ms")
+    if delay is not None:
+        delay = _int(delay, "max_queue_delay_ms")
+        if delay > MAX_QUEUE_DELAY_MS:
+            raise _Invalid(f"max_queue_delay_ms: {delay} is not allowed; expected an integer from 1 to "
+                           f"{MAX_QUEUE_DELAY_MS} (an hour), or leave it out to admit by slabs and queues only")
     max_context = _int(top["max_context"], "max_context")
     return Spec(
         name=name,
@@ -354,6 +365,7 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         max_context=max_context,
         kv=_parse_kv(top["kv"], max_context, max_seqs, target, base),
         queue_limit=queue_limit,
+        max_queue_delay_ms=delay,
         source=source,
     )
 
@@ -660,6 +672,7 @@ def spec_to_dict(spec: Spec) -> dict[str, Any]:
         "step_tokens": spec.step_tokens,
         "buckets": list(spec.buckets),
         "queue_limit": spec.queue_limit,
+        "max_queue_delay_ms": spec.max_queue_delay_ms,
         "max_context": spec.max_context,
         "kv": _kv_to_dict(spec.kv),
     }

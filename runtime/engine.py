@@ -42,6 +42,7 @@ class EngineConfig:
     buckets: tuple[int, ...] = ()        # default: powers of two up to step_tokens
     dtype: str = "float32"
     queue_limit: int = 64                # waiting requests per slab class
+    max_queue_delay_ms: int | None = None  # admission by latency (runtime.admission); None: slabs and queues only
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,9 @@ class Engine:
                                         self.k_cache, self.v_cache) if self.k_cache.is_cuda else None)
         self.sampler = Sampler(config.max_seqs, c.vocab_size)
         self._picked = torch.zeros(config.max_seqs, c.vocab_size)              # (S, V) float32 rows to sample
-        self.scheduler = Scheduler(config.classes, config.max_seqs, config.step_tokens, buckets, config.queue_limit)
+        delay_s = config.max_queue_delay_ms / 1000 if config.max_queue_delay_ms is not None else None
+        self.scheduler = Scheduler(config.classes, config.max_seqs, config.step_tokens, buckets, config.queue_limit,
+                                   max_queue_delay_s=delay_s)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self._cancelled: list[str] = []  # aborted requests whose CANCELLED event is not yet returned
@@ -160,7 +163,7 @@ class Engine:
         _check_weight_layout(plan, source)
         config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
-                              plan.engine.dtype, plan.engine.queue_limit)
+                              plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms)
         fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
         graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
@@ -188,8 +191,10 @@ class Engine:
         return tuple(ids)
 
     def submit(self, prompt, sampling: SamplingParams = SamplingParams(), stopping: StoppingOptions = StoppingOptions(),
-               request_id: str | None = None) -> str:
-        """Queue a request; raises the scheduler's errors (invalid, out of range, queue full). Returns its id."""
+               request_id: str | None = None, *, deadline: float | None = None) -> str:
+        """Queue a request; raises the scheduler's errors (invalid, out of range, queue full, delay bound).
+        Returns its id. `deadline`: its first-token deadline (time.monotonic()) when the caller has already run
+        admission by latency against a `Scheduler.admission_view` (the server does, on its gRPC threads)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         try:
             sampling.validate(self.model_config.vocab_size)
@@ -199,7 +204,7 @@ class Engine:
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         now = time.monotonic()
         self.scheduler.submit(Request(request_id, ids, stopping.max_tokens, eos, frozenset(stopping.stop_token_ids),
-                                      stopping.ignore_eos, now))
+                                      stopping.ignore_eos, now, deadline))
         seed = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
         self._live[request_id] = _Live(sampling, make_generator(seed),
                                        IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True),
@@ -277,13 +282,19 @@ class Engine:
         generators = [make_generator(0), make_generator(1)]
         for bucket, inputs in self.inputs.items():
             inputs.fill(self._warm_up_chunks(bucket))
+        seconds: dict[int, float] = {}
+
         def every_bucket() -> None:
             for bucket in self.inputs:
+                started = time.perf_counter()
                 logits = self._run_step(bucket)  # (R, V), R = logits_rows(bucket, max_seqs)
                 rows = list(range(min(2, logits.shape[0])))
                 self._sample_rows(logits, rows, params[: len(rows)], generators[: len(rows)])
+                took = time.perf_counter() - started
+                seconds[bucket] = min(seconds.get(bucket, took), took)
         every_bucket()
         check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up")
+        self.scheduler.step_times.seed(seconds)  # admission by latency starts from these, then measures
 
     def _warm_up_chunks(self, bucket: int) -> list[SeqChunk]:
         """`bucket` tokens spread over free slabs (at most max_seqs), each slab filled from position 0."""

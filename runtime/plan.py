@@ -25,6 +25,7 @@ import msgpack
 
 SCHEMA = "slabserve.plan"
 SCHEMA_VERSION = 1
+MAX_QUEUE_DELAY_MS = 3_600_000  # an hour: beyond it admission by latency is off in all but name
 PLAN_FILE = "plan.msgpack"
 MAX_PLAN_BYTES = 64 * 1024**2  # a 30-layer model at 9 buckets is well under 1 MiB
 MAX_INT = 2**62  # any byte count or offset above this is corrupt (and would overflow int64 arithmetic)
@@ -69,6 +70,7 @@ class EngineSection:
     buckets: tuple[int, ...]  # ascending; the last is step_tokens
     queue_limit: int  # waiting requests per slab class
     rope_positions: int  # rows of the rope table in the weight arena
+    max_queue_delay_ms: int | None = None  # admission by latency (runtime.admission); None: off
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,6 +471,8 @@ def _check_engine(e: EngineSection, servable: bool) -> None:
     _need(e.buckets[-1] == e.step_tokens, f"engine.buckets: the last bucket {e.buckets[-1]} is not step_tokens "
                                           f"({e.step_tokens})")
     _need(e.queue_limit >= 1 and e.rope_positions >= 1, "engine: queue_limit and rope_positions must be >= 1")
+    _need(e.max_queue_delay_ms is None or 1 <= e.max_queue_delay_ms <= MAX_QUEUE_DELAY_MS,
+          f"engine.max_queue_delay_ms: expected null or 1 to {MAX_QUEUE_DELAY_MS}")
 
 
 def _check_weights(w: WeightArena) -> None:

@@ -41,7 +41,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from runtime.admission import AdmissionView, DelayBoundError, OverloadedError, Pending, StepTimes
 from runtime.slab_allocator import Slab, SlabAllocator, SlabClass
+
+__all__ = ["DelayBoundError", "FinishReason", "InvalidRequestError", "OutOfRangeError", "OverloadedError",
+           "QueueFullError", "Request", "Scheduler"]
 
 _RECENT_FREES = 32             # completions per class remembered for the retry hint
 _DEFAULT_RETRY_MS = 1000       # retry hint before any request of the class has finished
@@ -68,7 +72,7 @@ class OutOfRangeError(ValueError):
         self.limit_tokens = limit_tokens
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(OverloadedError):
     """RESOURCE_EXHAUSTED: the queue of slab class `class_index` is full; retry after about `retry_after_ms`."""
 
     def __init__(self, class_index: int, class_tokens: int, queue_limit: int, retry_after_ms: int, measured: bool,
@@ -105,6 +109,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset() # end the sequence (reason STOP) even with ignore_eos
     ignore_eos: bool = False
     arrival_time: float = 0.0                    # clock() when the server received it; for timings only
+    deadline: float | None = None                # first-token deadline when the caller already ran admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +150,7 @@ class _Seq:
     """Mutable state of one request, from submit to its end. Lives in exactly one of: a queue, prefilling, decoding."""
 
     __slots__ = ("request", "seq_no", "home", "slab", "num_prompt", "num_computed", "num_output", "last_token",
-                 "done", "grant")
+                 "done", "grant", "deadline")
 
     def __init__(self, request: Request, seq_no: int, home: int):
         self.request = request
@@ -158,6 +163,7 @@ class _Seq:
         self.last_token = -1            # the token the next decode step feeds
         self.done = False
         self.grant = 0                  # prefill tokens granted in the step being packed
+        self.deadline = math.inf        # clock() by which its first token is due (admission by latency)
 
 
 # ---- the scheduler ------------------------------------------------------------------------------------------------
@@ -166,12 +172,15 @@ class Scheduler:
     """Admission into slabs and packing of steps, for one engine. Sizes come from the plan: `classes` (the slab
     table), `max_seqs`, `step_tokens` and `buckets` (ascending, the last one is step_tokens); `queue_limit` bounds
     each class's queue; `prefill_chunk` caps one sequence's prefill tokens per step (None: step_tokens);
-    `oldest_prefill_share` is the share of the prefill budget guaranteed to the oldest prefilling sequence."""
+    `oldest_prefill_share` is the share of the prefill budget guaranteed to the oldest prefilling sequence;
+    `max_queue_delay_s` (None: off) turns on admission by latency (runtime.admission)."""
 
     def __init__(self, classes: Sequence[SlabClass], max_seqs: int, step_tokens: int, buckets: Sequence[int],
                  queue_limit: int, prefill_chunk: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 *, oldest_prefill_share: float = 0.25):
+                 *, oldest_prefill_share: float = 0.25, max_queue_delay_s: float | None = None):
         _check_config(max_seqs, step_tokens, buckets, queue_limit, prefill_chunk, oldest_prefill_share)
+        if max_queue_delay_s is not None and not max_queue_delay_s > 0:
+            raise ValueError(f"max_queue_delay_s must be > 0 or None, got {max_queue_delay_s}")
         self.allocator = SlabAllocator(classes)
         self.max_seqs = max_seqs
         self.step_tokens = step_tokens
@@ -189,6 +198,9 @@ class Scheduler:
         self._inflight: tuple[ScheduledStep, tuple[_Seq, ...]] | None = None
         self._next_seq_no = 0
         self._recent_frees = [deque(maxlen=_RECENT_FREES) for _ in range(n)]
+        self.max_queue_delay_s = max_queue_delay_s
+        self.step_times = StepTimes(self.buckets)  # measured by schedule() .. complete_step()
+        self._step_started = 0.0
 
     @property
     def max_request_tokens(self) -> int:
@@ -218,6 +230,10 @@ class Scheduler:
         target = self.allocator.smallest_free_class(home) if self.num_running < self.max_seqs else None
         if target is None and len(self._queues[home]) >= self.queue_limit:
             raise self._queue_full(home)
+        if request.deadline is not None:
+            seq.deadline = request.deadline
+        elif self.max_queue_delay_s is not None:
+            seq.deadline = self.admission_view().admit(seq.num_prompt, home, self._clock())  # or DelayBoundError
         self._next_seq_no += 1
         self._live[request.request_id] = seq
         if target is None:
@@ -267,6 +283,7 @@ class Scheduler:
             return None
         step = ScheduledStep(tuple(chunks), self.buckets[bisect_left(self.buckets, num_tokens)], num_tokens)
         self._inflight = (step, tuple(seqs))
+        self._step_started = self._clock()
         return step
 
     def complete_step(self, step: ScheduledStep, sampled: Mapping[str, int]) -> list[TokenEvent]:
@@ -277,6 +294,7 @@ class Scheduler:
         """
         seqs = self._check_inflight(step, sampled)
         self._inflight = None
+        self.step_times.observe(step.bucket, self._clock() - self._step_started)
         events: list[TokenEvent] = []
         for chunk, seq in zip(step.chunks, seqs):
             if seq.done:  # aborted or finished while the step ran: its token is dropped
@@ -305,6 +323,20 @@ class Scheduler:
                                                      or self.allocator.smallest_free_class(home) is None):
                 full[home] = self._queue_full(home)
         return full
+
+    def admission_view(self, unsubmitted: Sequence[tuple[int, float]] = ()) -> AdmissionView | None:
+        """A copy of what admission by latency needs (None when it is off). `unsubmitted`: (prompt tokens,
+        deadline) of requests a caller has admitted against an earlier view but not yet submitted."""
+        if self.max_queue_delay_s is None:
+            return None
+        pending = [Pending(_remaining_prompt(s), s.seq_no, s.deadline) for s in self._prefilling.values()]
+        pending += [Pending(s.num_prompt, s.seq_no, s.deadline) for q in self._queues for s in q.values()]
+        pending += [Pending(n, self._next_seq_no + i, d) for i, (n, d) in enumerate(unsubmitted)]
+        oldest = next(iter(self._prefilling.values())).seq_no if self._prefilling else None
+        return AdmissionView(self.max_queue_delay_s, pending, oldest, len(self._decoding), self.step_tokens,
+                             self.buckets, self.step_times.snapshot(), self.oldest_prefill_share,
+                             [self._slab_wait_s(h) for h in range(len(self._queues))],
+                             self._next_seq_no + len(unsubmitted))
 
     def load(self) -> Load:
         return Load(self.allocator.free_counts(), self.allocator.total_counts(),
@@ -411,13 +443,26 @@ class Scheduler:
             self._num_queued -= 1
             self._start(best, target)
 
-    def _queue_full(self, home: int) -> QueueFullError:
-        """The error for a full queue, with a retry hint: the mean gap between recent slab frees it could use."""
+    def _free_rate(self, home: int) -> float:
+        """Slabs freed per second in classes >= home (any of them can take this queue's head); 0 if unknown."""
         now = self._clock()
-        rate = 0.0  # slabs freed per second in classes >= home (any of them can take this queue's head)
+        rate = 0.0
         for frees in self._recent_frees[home:]:
             if len(frees) >= 2 and now > frees[0]:
                 rate += (len(frees) - 1) / (now - frees[0])
+        return rate
+
+    def _slab_wait_s(self, home: int) -> float:
+        """Expected wait for a slab of a new request of class `home`: 0 when one is free now, else its place in
+        the queue over the measured rate of frees (0 while unmeasured: the queue limit still bounds it)."""
+        if self.num_running < self.max_seqs and self.allocator.smallest_free_class(home) is not None:
+            return 0.0
+        rate = self._free_rate(home)
+        return (len(self._queues[home]) + 1) / rate if rate > 0 else 0.0
+
+    def _queue_full(self, home: int) -> QueueFullError:
+        """The error for a full queue, with a retry hint: the mean gap between recent slab frees it could use."""
+        rate = self._free_rate(home)
         measured = rate > 0
         retry_ms = min(_MAX_RETRY_MS, max(1, round(1000 / rate))) if measured else _DEFAULT_RETRY_MS
         busy = (f"all {self.max_seqs} sequence slots are running" if self.num_running >= self.max_seqs

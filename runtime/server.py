@@ -56,6 +56,7 @@ from runtime.engine import Engine, EngineConfig, GenerationEvent, StoppingOption
 from runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
 from runtime.metrics import Metrics
 from runtime.sampler import SamplingParams
+from runtime.admission import AdmissionView, OverloadedError
 from runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError
 from runtime.slab_allocator import SlabClass
 from runtime.tokenizer import ChatTemplateError
@@ -107,6 +108,11 @@ class EngineLoop:
         self._heap_released = False
         # slab class -> the RESOURCE_EXHAUSTED its next request gets; replaced (never mutated) by the engine thread
         self._full_queues: dict[int, QueueFullError] = {}
+        # admission by latency on the gRPC threads: the view published after the last step, plus the requests
+        # admitted against it that the engine thread has not submitted yet (engine id -> (prompt tokens, deadline))
+        self._admission_lock = threading.Lock()
+        self._admission: AdmissionView | None = None
+        self._unsubmitted: dict[str, tuple[int, float]] = {}
         self._thread = threading.Thread(target=self._run, name="slabserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -133,21 +139,37 @@ class EngineLoop:
                engine_id: str) -> queue.SimpleQueue:
         """Submit on the engine thread; returns the sink its events will arrive in. Raises the engine's errors.
 
-        A request whose slab class has a full queue (as of the last step) is refused here, at once: waiting for the
-        step in progress (up to a second on a CPU) to learn the same answer would make overload slow to refuse.
-        A queue that looks open still gets the engine thread's exact check."""
+        A request whose slab class has a full queue (as of the last step), or whose first token the work ahead
+        would delay past the plan's bound (runtime.admission), is refused here, at once: waiting for the step in
+        progress (up to a second on a CPU) to learn the same answer would make overload slow to refuse. A queue
+        that looks open still gets the engine thread's exact check."""
         need = len(prompt_ids) + stopping.max_tokens
         home = self.engine.scheduler.allocator.class_for(need) if need >= 1 else None
         full = self._full_queues.get(home) if home is not None else None
         if full is not None:
             raise copy.copy(full)
+        deadline = None
+        if home is not None and prompt_ids:
+            with self._admission_lock:
+                if self._admission is not None:
+                    deadline = self._admission.admit(len(prompt_ids), home, time.monotonic())  # or DelayBoundError
+                    self._unsubmitted[engine_id] = (len(prompt_ids), deadline)
         sink: queue.SimpleQueue = queue.SimpleQueue()
 
         def submit() -> None:
-            self.engine.submit(prompt_ids, sampling, stopping, engine_id)
+            try:
+                self.engine.submit(prompt_ids, sampling, stopping, engine_id, deadline=deadline)
+            finally:
+                with self._admission_lock:
+                    self._unsubmitted.pop(engine_id, None)
             self._sinks[engine_id] = sink
 
-        self.call(submit)
+        try:
+            self.call(submit)
+        finally:
+            if deadline is not None:  # the engine thread never ran it (it failed): forget the admission
+                with self._admission_lock:
+                    self._unsubmitted.pop(engine_id, None)
         return sink
 
     def abort(self, engine_id: str) -> None:
@@ -163,14 +185,20 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            self._publish_admission()
             while not self._stopping.is_set():
                 self._run_commands(block=not self.engine.has_work())
                 if self.engine.has_work():
                     self._route(self.engine.step())
                     self.observe_load()
                 self._full_queues = self.engine.scheduler.full_queues()
+                self._publish_admission()
         except BaseException as exc:  # noqa: BLE001 - the engine thread must report, not vanish
             self._fail(exc)
+
+    def _publish_admission(self) -> None:
+        with self._admission_lock:
+            self._admission = self.engine.scheduler.admission_view(list(self._unsubmitted.values()))
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -351,7 +379,7 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
         return grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {exc}", (("slabserve-field", field),)
     if isinstance(exc, OutOfRangeError):
         return grpc.StatusCode.OUT_OF_RANGE, str(exc), (("slabserve-limit-tokens", str(exc.limit_tokens)),)
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, OverloadedError):  # a full queue, or admission by latency
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("slabserve-slab-class", str(exc.class_index)),
                                                               ("retry-after-ms", str(exc.retry_after_ms)))
     if isinstance(exc, Unavailable):

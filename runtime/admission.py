@@ -1,0 +1,179 @@
+"""Admission by latency: refuse at once the request whose first token the server cannot deliver in time.
+
+Slabs and queue limits bound memory, not compute. On a machine where a full step takes a second, 32 running
+sequences and two waiting per class are enough to push every first token back by tens of seconds when requests
+arrive faster than the steps can prefill them. With `max_queue_delay_s` set, the scheduler also admits by time:
+
+- Every admitted request gets a first-token deadline: its arrival + `max_queue_delay_s` + the time its own prompt
+  takes to prefill on an otherwise idle server (`StepTimes.seconds_for`).
+- A new request is projected under the scheduler's prefill order (shortest remaining prompt first, the oldest
+  prefilling sequence guaranteed its share of every step): its first token comes after the prompts shorter than
+  its own, its own prompt, and the oldest sequence's share, plus the wait for a slab when none is free now. It is
+  refused (`DelayBoundError`, RESOURCE_EXHAUSTED) when that misses its deadline, or when the prefill work it puts
+  ahead of longer admitted prompts would make one of them miss its own.
+
+Step times are measured (an exponential average per bucket, seeded by the engine's warm-up), so the bound holds
+on the machine the server runs on rather than the one the plan was built on. Everything here is pure Python: the
+server runs `AdmissionView.admit` on a gRPC thread against the view published after the last step, so a refusal
+comes back without waiting for the step in progress.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+STEP_TIME_WEIGHT = 0.3  # weight of the newest step in the per-bucket average of step times
+
+
+class OverloadedError(RuntimeError):
+    """RESOURCE_EXHAUSTED: the request was refused to protect latency or memory; retry after `retry_after_ms`."""
+
+    class_index: int
+    retry_after_ms: int
+
+
+class DelayBoundError(OverloadedError):
+    """RESOURCE_EXHAUSTED: admitting this request would delay a first token (its own or an admitted request's)
+    past the plan's `max_queue_delay_ms`."""
+
+    def __init__(self, class_index: int, projected_ms: int, bound_ms: int, retry_after_ms: int, whose: str):
+        super().__init__(f"slab class {class_index}: the prefill work already admitted would delay {whose} first "
+                         f"token by about {projected_ms} ms, past the bound of {bound_ms} ms (max_queue_delay_ms); "
+                         f"retry in about {retry_after_ms} ms")
+        self.class_index = class_index
+        self.projected_ms = projected_ms
+        self.bound_ms = bound_ms
+        self.retry_after_ms = retry_after_ms
+        self.whose = whose
+
+    def __reduce__(self):
+        return (DelayBoundError, (self.class_index, self.projected_ms, self.bound_ms, self.retry_after_ms,
+                                  self.whose))
+
+
+class StepTimes:
+    """Seconds per step of each bucket: seeded by the warm-up, then an exponential average of real steps."""
+
+    def __init__(self, buckets: Sequence[int]):
+        self.buckets = tuple(buckets)
+        self._seconds: dict[int, float] = {}
+
+    def seed(self, seconds: Mapping[int, float]) -> None:
+        for bucket, s in seconds.items():
+            if bucket in self.buckets and s > 0:
+                self._seconds[bucket] = float(s)
+
+    def observe(self, bucket: int, seconds: float) -> None:
+        if seconds <= 0 or bucket not in self.buckets:
+            return
+        old = self._seconds.get(bucket)
+        self._seconds[bucket] = seconds if old is None else old + STEP_TIME_WEIGHT * (seconds - old)
+
+    def snapshot(self) -> dict[int, float]:
+        return dict(self._seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A request that has prefill work left: queued for a slab, or prefilling."""
+
+    remaining: int       # prompt tokens not yet prefilled
+    seq_no: int          # submit order: ties in the prefill order go to the older one
+    deadline: float      # clock() by which its first token is due
+
+
+class AdmissionView:
+    """What admission needs to know, copied from the scheduler: the pending prompts, the step times, the slabs.
+
+    `admit` both checks and records, so several requests checked against one view (between two steps) see each
+    other. Not thread-safe: the caller holds a lock."""
+
+    def __init__(self, bound_s: float, pending: Iterable[Pending], oldest_seq_no: int | None, decoding: int,
+                 step_tokens: int, buckets: Sequence[int], step_seconds: Mapping[int, float],
+                 oldest_share: float, slab_wait_s: Sequence[float], next_seq_no: int):
+        self.bound_s = bound_s
+        self._pending = sorted(pending, key=_order)
+        self._oldest = oldest_seq_no
+        self._budget = max(1, step_tokens - decoding)  # prefill tokens one step can take
+        self._decoding = decoding
+        self._buckets = tuple(buckets)
+        self._seconds = dict(step_seconds)
+        self._share = oldest_share
+        self._slab_wait = tuple(slab_wait_s)
+        self._next_seq_no = next_seq_no
+
+    @property
+    def measured(self) -> bool:
+        """False until a step time is known (the bound is not applied before)."""
+        return bool(self._seconds)
+
+    def seconds_for(self, tokens: int) -> float:
+        """Time to prefill `tokens` prompt tokens beside the decoding sequences: full steps, then one partial."""
+        if tokens <= 0 or not self._seconds:
+            return 0.0
+        full, rest = divmod(tokens, self._budget)
+        seconds = full * self._bucket_seconds(self._buckets[-1])
+        if rest:
+            rows = min(self._decoding + rest, self._buckets[-1])
+            seconds += self._bucket_seconds(self._buckets[bisect_left(self._buckets, rows)])
+        return seconds
+
+    def deadline_for(self, prompt_tokens: int, now: float) -> float:
+        return now + self.bound_s + self.seconds_for(prompt_tokens)
+
+    def admit(self, prompt_tokens: int, home: int, now: float) -> float:
+        """The deadline of a new request of `prompt_tokens` in slab class `home`, recorded in the view; or
+        DelayBoundError if it cannot be admitted without a first token missing its deadline."""
+        if not self.measured:  # no step has been timed: no promise can be made, and none is recorded
+            self._record(prompt_tokens, math.inf)
+            return math.inf
+        deadline = self.deadline_for(prompt_tokens, now)
+        new = Pending(prompt_tokens, self._next_seq_no, deadline)
+        entries = list(self._pending)
+        insort(entries, new, key=_order)
+        prefix = [0]
+        for e in entries:
+            prefix.append(prefix[-1] + e.remaining)
+        oldest = next((e for e in entries if e.seq_no == self._oldest), None)
+        # the new request itself: the slab wait, then everything before it in the prefill order
+        i = entries.index(new)
+        late = now + self._slab_wait[home] + self.seconds_for(self._ahead(i, prefix, entries, oldest)) - deadline
+        whose = "its own"
+        # the admitted prompts it overtakes
+        for j in range(i + 1, len(entries)):
+            e = entries[j]
+            miss = now + self.seconds_for(self._ahead(j, prefix, entries, oldest)) - e.deadline
+            if miss > late and miss > 0:
+                late, whose = miss, "an admitted request's"
+        if late > 0:
+            bound_ms = round(self.bound_s * 1000)
+            projected_ms = bound_ms + math.ceil(late * 1000)
+            raise DelayBoundError(home, projected_ms, bound_ms, max(1, math.ceil(late * 1000)), whose)
+        self._record(prompt_tokens, deadline)
+        return deadline
+
+    def _record(self, prompt_tokens: int, deadline: float) -> None:
+        insort(self._pending, Pending(prompt_tokens, self._next_seq_no, deadline), key=_order)
+        self._next_seq_no += 1
+
+    def _ahead(self, j: int, prefix: list[int], entries: list[Pending], oldest: Pending | None) -> int:
+        """Prompt tokens prefilled before entries[j]'s first token: those before it in the order, its own, and
+        the oldest sequence's guaranteed share while it is still behind."""
+        work = prefix[j + 1]
+        if oldest is not None and _order(oldest) > _order(entries[j]):
+            extra = oldest.remaining if self._share >= 1.0 else math.ceil(work * self._share / (1.0 - self._share))
+            work += min(oldest.remaining, extra)
+        return work
+
+    def _bucket_seconds(self, bucket: int) -> float:
+        """The bucket's measured time, or else the nearest larger (then smaller) measured bucket's."""
+        if bucket in self._seconds:
+            return self._seconds[bucket]
+        larger = [b for b in self._seconds if b > bucket]
+        return self._seconds[min(larger)] if larger else self._seconds[max(self._seconds)]
+
+
+def _order(p: Pending) -> tuple[int, int]:
+    return p.remaining, p.seq_no

@@ -1,0 +1,212 @@
+"""Admission by latency (runtime/admission.py): projections under the prefill order, refusals that protect admitted
+requests, the scheduler's measured step times, and the server refusing at the gRPC edge without the engine thread."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from runtime.admission import AdmissionView, DelayBoundError, OverloadedError, Pending, StepTimes
+from runtime.scheduler import QueueFullError, Request, Scheduler
+from runtime.slab_allocator import SlabClass
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def _view(pending=(), *, bound=1.0, seconds=None, decoding=0, oldest=None, slab_wait=(0.0, 0.0), share=0.25):
+    seconds = {b: 0.125 for b in BUCKETS} if seconds is None else seconds  # 1/8 s a step, whatever its size
+    return AdmissionView(bound, pending, oldest, decoding, 32, BUCKETS, seconds, share, slab_wait,
+                         next_seq_no=100)
+
+
+def test_seconds_for_counts_full_steps_then_the_bucket_of_the_rest():
+    v = _view(seconds={32: 1.0, 8: 0.25, 1: 0.05}, decoding=4)  # 28 prefill tokens a step beside 4 decodes
+    assert v.seconds_for(0) == 0.0
+    assert v.seconds_for(28) == 1.0                  # one full step
+    assert v.seconds_for(56 + 3) == 2.0 + 0.25       # two full steps, then 4 + 3 rows: bucket 8
+    assert v.seconds_for(29) == 1.0 + 0.25           # bucket 2 unmeasured: the next larger measured one (8)
+
+
+def test_unmeasured_view_admits_and_records():
+    v = _view(seconds={})
+    assert not v.measured
+    for _ in range(50):
+        v.admit(1000, 0, now=0.0)  # no step time known yet: the queue limits alone apply
+
+
+def test_refuses_a_request_whose_shorter_work_ahead_exceeds_the_bound():
+    # 1/8 s per 32-token step, bound 1 s: 8 steps of shorter prompts ahead is the most a request can wait
+    v = _view([Pending(32 * 11, seq_no=1, deadline=1e9)])
+    with pytest.raises(DelayBoundError) as err:
+        v.admit(32 * 12, 1, now=0.0)
+    e = err.value
+    assert isinstance(e, OverloadedError) and e.class_index == 1 and e.bound_ms == 1000
+    assert e.projected_ms == 1375 and e.retry_after_ms == 375
+    assert "its own first token" in str(e) and "max_queue_delay_ms" in str(e)
+
+
+def test_a_short_prompt_overtakes_long_ones_and_is_admitted():
+    """Shortest remaining prompt first: 2,000 tokens of long prompts ahead do not delay a 32-token one."""
+    v = _view([Pending(1000, seq_no=1, deadline=1e9), Pending(1000, seq_no=2, deadline=1e9)])
+    deadline = v.admit(32, 0, now=10.0)
+    assert deadline == 10.0 + 1.0 + 0.125
+
+
+def test_the_oldest_sequence_share_counts_against_shorter_prompts():
+    # alone, 7 steps of shorter work fits a 1 s bound; the oldest (longer) sequence takes a quarter of each step
+    pending = [Pending(32 * 7, seq_no=2, deadline=1e9), Pending(5000, seq_no=1, deadline=1e9)]
+    _view(pending).admit(32 * 8, 0, now=0.0)
+    with pytest.raises(DelayBoundError):
+        _view(pending, oldest=1).admit(32 * 8, 0, now=0.0)
+
+
+def test_refuses_a_short_request_that_would_make_an_admitted_one_late():
+    # the admitted 224-token prompt is due in 1 s and needs 7 steps (0.875 s): one more step ahead still fits
+    admitted = Pending(224, seq_no=1, deadline=1.0)
+    with pytest.raises(DelayBoundError) as err:
+        _view([admitted]).admit(64, 0, now=0.0)
+    assert "an admitted request's first token" in str(err.value)
+    _view([admitted]).admit(32, 0, now=0.0)
+    _view([admitted]).admit(640, 0, now=0.0)      # a longer prompt goes after it: no harm done
+
+
+def test_admissions_against_one_view_see_each_other():
+    v = _view()
+    admitted = 0
+    with pytest.raises(DelayBoundError):
+        for _ in range(100):
+            v.admit(32, 0, now=0.0)
+            admitted += 1
+    assert admitted == 9  # the ninth waits 8 steps (the bound) before its own one
+
+
+def test_slab_wait_counts():
+    with pytest.raises(DelayBoundError):
+        _view(slab_wait=(0.0, 5.0)).admit(32, 1, now=0.0)
+    _view(slab_wait=(0.0, 5.0)).admit(32, 0, now=0.0)
+
+
+def test_step_times_average_real_steps():
+    t = StepTimes(BUCKETS)
+    t.seed({32: 2.0, 7: 1.0, 8: 0.0})  # not a bucket, and not a time: ignored
+    assert t.snapshot() == {32: 2.0}
+    t.observe(32, 1.0)
+    assert t.snapshot()[32] == pytest.approx(2.0 - 0.3)
+
+
+# ---- in the scheduler -------------------------------------------------------------------------------------------
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _sched(clock, **kw) -> Scheduler:
+    return Scheduler([SlabClass(512, 8)], 8, 32, BUCKETS, queue_limit=8, clock=clock, max_queue_delay_s=1.0, **kw)
+
+
+def _req(rid: str, n: int, **kw) -> Request:
+    return Request(rid, tuple(range(1, n + 1)), 4, **kw)
+
+
+def test_scheduler_measures_steps_and_refuses_then_admits_as_the_backlog_drains():
+    clock = _Clock()
+    s = _sched(clock)
+    s.submit(_req("a", 200))  # no step measured yet: admitted on slabs alone
+    step = s.schedule()
+    clock.now += 0.25  # a full 32-token step takes 0.25 s
+    s.complete_step(step, {})
+    assert s.step_times.snapshot() == {32: 0.25}
+    # "a" has 168 tokens left: 6 steps (1.5 s) ahead of anything longer, so a 300-token prompt would wait 1.5 s
+    with pytest.raises(DelayBoundError):
+        s.submit(_req("b", 300))
+    assert s.load().running == 1 and s.has_work()  # the refusal left nothing behind
+    s.submit(_req("c", 100))  # shorter than what is left of "a": it goes first
+    while "a" in s._prefilling and s._prefilling["a"].num_computed < 200 - 64:
+        step = s.schedule()
+        clock.now += 0.25
+        s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
+    s.submit(_req("b", 300))  # now the work ahead fits in the bound
+
+
+def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
+    clock = _Clock()
+    s = _sched(clock)
+    s.step_times.seed({32: 10.0})  # every step would blow the bound
+    s.submit(_req("a", 300, deadline=5.0))
+    s.submit(_req("b", 300, deadline=5.0))
+    with pytest.raises(DelayBoundError):
+        s.submit(_req("c", 300))
+    assert s.load().running == 2
+
+
+def test_off_by_default():
+    s = Scheduler([SlabClass(512, 8)], 8, 32, BUCKETS, queue_limit=8)
+    assert s.admission_view() is None
+    s.step_times.seed({32: 100.0})
+    for i in range(8):
+        s.submit(_req(f"r{i}", 400))
+    with pytest.raises(QueueFullError):  # only the queue limit
+        for i in range(8, 100):
+            s.submit(_req(f"r{i}", 400))
+    with pytest.raises(ValueError, match="max_queue_delay_s"):
+        Scheduler([SlabClass(512, 8)], 8, 32, BUCKETS, queue_limit=8, max_queue_delay_s=0)
+
+
+# ---- at the gRPC edge -------------------------------------------------------------------------------------------
+
+def test_server_refuses_at_once_with_the_engine_thread_busy(tmp_path: Path, monkeypatch):
+    from _served_process import build_tiny_bundle
+
+    from proto.slabserve.v1 import serving_pb2 as pb
+    from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+    from runtime.engine import Engine
+    from runtime.plan import read_plan
+    from runtime.server import create_server
+
+    root = build_tiny_bundle(tmp_path, max_queue_delay_ms=1)
+    monkeypatch.chdir(root)  # the plan names its model relative to where it was built
+    assert read_plan(root / "bundle").engine.max_queue_delay_ms == 1
+    engine = Engine.from_plan(root / "bundle")
+    assert engine.scheduler.max_queue_delay_s == 0.001 and engine.scheduler.step_times.snapshot()
+    server = create_server(engine, "127.0.0.1", 0, metrics_port=None)
+    server.start()
+    server.warm_up()
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.SlabServeStub(channel)
+    held = threading.Event()
+    try:
+        server.loop.post(lambda: held.wait(60))  # the engine thread is busy: only the edge can answer
+        prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10, 150))),
+                                    stopping=pb.StoppingOptions(max_tokens=8, ignore_eos=True))
+        first = stub.Generate(prompt, timeout=60)  # nothing ahead of it: admitted
+        deadline = time.monotonic() + 10
+        while server.loop.num_streams() == 0 and not server.loop._unsubmitted:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(prompt, timeout=10))  # 140 tokens ahead of it, bound 1 ms
+        assert time.monotonic() - started < 5, "refused by the engine thread, not at the edge"
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(err.value.trailing_metadata())
+        assert trailers["slabserve-slab-class"] == "1" and int(trailers["retry-after-ms"]) >= 1
+        assert "max_queue_delay_ms" in err.value.details()
+        held.set()
+        assert sum(len(r.token.token_ids) for r in first if r.HasField("token")) >= 1
+        load = stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+        while load.running:
+            time.sleep(0.05)
+            load = stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+        assert [c.free_slabs for c in load.classes] == [c.total_slabs for c in load.classes]
+        assert not server.loop._unsubmitted
+    finally:
+        held.set()
+        channel.close()
+        server.stop()
