@@ -526,7 +526,8 @@ class SlabServeServicer(pb_grpc.SlabServeServicer):
             slab_classes=[pb.SlabClass(index=i, tokens=c.tokens, count=c.count) for i, c in enumerate(classes)],
             vocab_size=engine.model_config.vocab_size, max_running=scheduler.max_seqs,
             step_tokens=scheduler.step_tokens, queue_limit=scheduler.queue_limit,
-            has_chat_template=engine.tokenizer.chat_template is not None)
+            has_chat_template=engine.tokenizer.chat_template is not None,
+            max_queue_delay_ms=round(scheduler.max_queue_delay_s * 1000) if scheduler.max_queue_delay_s else 0)
 
     def GetLoad(self, request, context) -> pb.GetLoadResponse:
         try:

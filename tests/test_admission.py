@@ -180,6 +180,7 @@ def test_server_refuses_at_once_with_the_engine_thread_busy(tmp_path: Path, monk
     server.warm_up()
     channel = grpc.insecure_channel(server.address)
     stub = pb_grpc.SlabServeStub(channel)
+    assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).max_queue_delay_ms == 1
     held = threading.Event()
     try:
         server.loop.post(lambda: held.wait(60))  # the engine thread is busy: only the edge can answer

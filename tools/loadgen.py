@@ -70,6 +70,7 @@ def info_to_dict(info: pb.GetModelInfoResponse) -> dict:
     return {"model_name": info.model_name, "plan_id": info.plan_id, "vocab_size": info.vocab_size,
             "max_request_tokens": info.max_request_tokens, "max_running": info.max_running,
             "step_tokens": info.step_tokens, "queue_limit": info.queue_limit,
+            "max_queue_delay_ms": info.max_queue_delay_ms,
             "slab_classes": [{"index": c.index, "tokens": c.tokens, "count": c.count} for c in info.slab_classes]}
 
 

@@ -159,7 +159,7 @@ class SlabClass(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tokens: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "plan_id", "context_limit", "max_request_tokens", "slab_classes", "vocab_size", "max_running", "step_tokens", "queue_limit", "has_chat_template")
+    __slots__ = ("model_name", "plan_id", "context_limit", "max_request_tokens", "slab_classes", "vocab_size", "max_running", "step_tokens", "queue_limit", "has_chat_template", "max_queue_delay_ms")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class GetModelInfoResponse(_message.Message):
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     plan_id: str
     context_limit: int
@@ -180,7 +181,8 @@ class GetModelInfoResponse(_message.Message):
     step_tokens: int
     queue_limit: int
     has_chat_template: bool
-    def __init__(self, model_name: _Optional[str] = ..., plan_id: _Optional[str] = ..., context_limit: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., slab_classes: _Optional[_Iterable[_Union[SlabClass, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_running: _Optional[int] = ..., step_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    max_queue_delay_ms: int
+    def __init__(self, model_name: _Optional[str] = ..., plan_id: _Optional[str] = ..., context_limit: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., slab_classes: _Optional[_Iterable[_Union[SlabClass, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_running: _Optional[int] = ..., step_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., max_queue_delay_ms: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
