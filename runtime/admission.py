@@ -4,8 +4,10 @@ Slabs and queue limits bound memory, not compute. On a machine where a full step
 sequences and two waiting per class are enough to push every first token back by tens of seconds when requests
 arrive faster than the steps can prefill them. With `max_queue_delay_s` set, the scheduler also admits by time:
 
-- Every admitted request gets a first-token deadline: its arrival + `max_queue_delay_s` + the time its own prompt
-  takes to prefill on an otherwise idle server (`StepTimes.seconds_for`).
+- Every admitted request gets a first-token deadline: its arrival, plus the time its own prompt takes to prefill
+  on an otherwise idle server (`AdmissionView.seconds_for`), plus the wait it may have for work admitted before
+  it: `max_queue_delay_s`, or its own prefill time when that is longer (a 6k-token analysis that prefills for 20 s
+  may wait 20 s behind another one; a one-line completion waits no longer than the bound).
 - A new request is projected under the scheduler's prefill order (shortest remaining prompt first, the oldest
   prefilling sequence guaranteed its share of every step): its first token comes after the prompts shorter than
   its own, its own prompt, and the oldest sequence's share, plus the wait for a slab when none is free now. It is
@@ -38,19 +40,19 @@ class DelayBoundError(OverloadedError):
     """RESOURCE_EXHAUSTED: admitting this request would delay a first token (its own or an admitted request's)
     past the plan's `max_queue_delay_ms`."""
 
-    def __init__(self, class_index: int, projected_ms: int, bound_ms: int, retry_after_ms: int, whose: str):
-        super().__init__(f"slab class {class_index}: the prefill work already admitted would delay {whose} first "
-                         f"token by about {projected_ms} ms, past the bound of {bound_ms} ms (max_queue_delay_ms); "
-                         f"retry in about {retry_after_ms} ms")
+    def __init__(self, class_index: int, late_ms: int, bound_ms: int, whose: str):
+        super().__init__(f"slab class {class_index}: with the prefill work already admitted, {whose} first token "
+                         f"would come about {late_ms} ms past its deadline (a wait of max_queue_delay_ms = "
+                         f"{bound_ms} ms, or of the prompt's own prefill time when longer); retry in about "
+                         f"{late_ms} ms")
         self.class_index = class_index
-        self.projected_ms = projected_ms
+        self.late_ms = late_ms
         self.bound_ms = bound_ms
-        self.retry_after_ms = retry_after_ms
+        self.retry_after_ms = late_ms
         self.whose = whose
 
     def __reduce__(self):
-        return (DelayBoundError, (self.class_index, self.projected_ms, self.bound_ms, self.retry_after_ms,
-                                  self.whose))
+        return (DelayBoundError, (self.class_index, self.late_ms, self.bound_ms, self.whose))
 
 
 class StepTimes:
@@ -121,7 +123,8 @@ class AdmissionView:
         return seconds
 
     def deadline_for(self, prompt_tokens: int, now: float) -> float:
-        return now + self.bound_s + self.seconds_for(prompt_tokens)
+        own = self.seconds_for(prompt_tokens)
+        return now + max(self.bound_s, own) + own
 
     def admit(self, prompt_tokens: int, home: int, now: float) -> float:
         """The deadline of a new request of `prompt_tokens` in slab class `home`, recorded in the view; or
@@ -148,9 +151,7 @@ class AdmissionView:
             if miss > late and miss > 0:
                 late, whose = miss, "an admitted request's"
         if late > 0:
-            bound_ms = round(self.bound_s * 1000)
-            projected_ms = bound_ms + math.ceil(late * 1000)
-            raise DelayBoundError(home, projected_ms, bound_ms, max(1, math.ceil(late * 1000)), whose)
+            raise DelayBoundError(home, max(1, math.ceil(late * 1000)), round(self.bound_s * 1000), whose)
         self._record(prompt_tokens, deadline)
         return deadline
 

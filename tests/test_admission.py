@@ -38,14 +38,23 @@ def test_unmeasured_view_admits_and_records():
 
 
 def test_refuses_a_request_whose_shorter_work_ahead_exceeds_the_bound():
-    # 1/8 s per 32-token step, bound 1 s: 8 steps of shorter prompts ahead is the most a request can wait
-    v = _view([Pending(32 * 11, seq_no=1, deadline=1e9)])
+    # 1/8 s per 32-token step, bound 1 s: a 4-step prompt may wait 8 steps; four 3-step prompts are 12
+    v = _view([Pending(96, seq_no=i, deadline=1e9) for i in range(4)])
     with pytest.raises(DelayBoundError) as err:
-        v.admit(32 * 12, 1, now=0.0)
+        v.admit(128, 1, now=0.0)
     e = err.value
     assert isinstance(e, OverloadedError) and e.class_index == 1 and e.bound_ms == 1000
-    assert e.projected_ms == 1375 and e.retry_after_ms == 375
+    assert e.late_ms == 500 and e.retry_after_ms == 500
     assert "its own first token" in str(e) and "max_queue_delay_ms" in str(e)
+
+
+def test_a_long_prompt_may_wait_as_long_as_its_own_prefill():
+    # 64 steps of a shorter prompt ahead: far past the 1 s bound, but a 100-step prompt may wait 100 steps
+    ahead = [Pending(32 * 64, seq_no=1, deadline=1e9)]
+    assert _view(ahead).admit(32 * 100, 1, now=0.0) == 2 * 100 * 0.125
+    with pytest.raises(DelayBoundError, match="its own first token"):  # but not 128 steps
+        _view(ahead * 2).admit(32 * 100, 1, now=0.0)
+
 
 
 def test_a_short_prompt_overtakes_long_ones_and_is_admitted():
@@ -119,20 +128,21 @@ def test_scheduler_measures_steps_and_refuses_then_admits_as_the_backlog_drains(
     clock = _Clock()
     s = _sched(clock)
     s.submit(_req("a", 200))  # no step measured yet: admitted on slabs alone
+    s.submit(_req("a2", 200))
     step = s.schedule()
     clock.now += 0.25  # a full 32-token step takes 0.25 s
     s.complete_step(step, {})
     assert s.step_times.snapshot() == {32: 0.25}
-    # "a" has 168 tokens left: 6 steps (1.5 s) ahead of anything longer, so a 300-token prompt would wait 1.5 s
-    with pytest.raises(DelayBoundError):
-        s.submit(_req("b", 300))
-    assert s.load().running == 1 and s.has_work()  # the refusal left nothing behind
-    s.submit(_req("c", 100))  # shorter than what is left of "a": it goes first
-    while "a" in s._prefilling and s._prefilling["a"].num_computed < 200 - 64:
+    # 368 tokens of shorter prompts ahead (12 steps, 3 s): a 210-token prompt (7 steps) may wait 1.75 s
+    with pytest.raises(DelayBoundError, match="its own first token"):
+        s.submit(_req("b", 210))
+    assert s.load().running == 2 and "b" not in s._live  # the refusal left nothing behind
+    s.submit(_req("c", 100))  # shorter than what is left of either: it goes first
+    while "a" in s._prefilling or "a2" in s._prefilling:
         step = s.schedule()
         clock.now += 0.25
         s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
-    s.submit(_req("b", 300))  # now the work ahead fits in the bound
+    s.submit(_req("b", 210))  # the work ahead has drained
 
 
 def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
