@@ -194,23 +194,28 @@ def test_server_refuses_at_once_with_the_engine_thread_busy(tmp_path: Path, monk
     held = threading.Event()
     try:
         server.loop.post(lambda: held.wait(60))  # the engine thread is busy: only the edge can answer
-        prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10, 150))),
-                                    stopping=pb.StoppingOptions(max_tokens=8, ignore_eos=True))
-        first = stub.Generate(prompt, timeout=60)  # nothing ahead of it: admitted
+
+        def request(n: int) -> pb.GenerateRequest:  # n prompt tokens + 8: slab class 1 (2 slabs of 256)
+            return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10, 10 + n))),
+                                      stopping=pb.StoppingOptions(max_tokens=8, ignore_eos=True))
+
+        # 32-token steps: each 100-token prompt prefills in 4 and may wait 4 (its own time, over the 1 ms bound)
+        admitted = [stub.Generate(request(100), timeout=60) for _ in range(2)]  # the second waits 4: admitted
         deadline = time.monotonic() + 10
-        while server.loop.num_streams() == 0 and not server.loop._unsubmitted:
+        while len(server.loop._unsubmitted) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(prompt, timeout=10))  # 140 tokens ahead of it, bound 1 ms
+            list(stub.Generate(request(110), timeout=10))  # 200 tokens ahead: 7 steps, it may wait 4
         assert time.monotonic() - started < 5, "refused by the engine thread, not at the edge"
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         trailers = dict(err.value.trailing_metadata())
         assert trailers["slabserve-slab-class"] == "1" and int(trailers["retry-after-ms"]) >= 1
         assert "max_queue_delay_ms" in err.value.details()
         held.set()
-        assert sum(len(r.token.token_ids) for r in first if r.HasField("token")) >= 1
+        for call in admitted:
+            assert sum(len(r.token.token_ids) for r in call if r.HasField("token")) >= 1
         load = stub.GetLoad(pb.GetLoadRequest(), timeout=10)
         while load.running:
             time.sleep(0.05)
