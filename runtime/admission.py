@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 STEP_TIME_WEIGHT = 0.3  # weight of the newest step in the per-bucket average of step times
-MAX_RETRY_S = 60.0      # the longest retry hint given
 
 
 class OverloadedError(RuntimeError):
@@ -157,8 +156,7 @@ class AdmissionView:
             if miss > late and miss > 0:
                 late, whose = miss, "an admitted request's"
         if late > 0:
-            late_ms = max(1, math.ceil(min(late, MAX_RETRY_S) * 1000))  # inf: no slab will come free in time
-            raise DelayBoundError(home, late_ms, round(self.bound_s * 1000), whose)
+            raise DelayBoundError(home, max(1, math.ceil(late * 1000)), round(self.bound_s * 1000), whose)
         if self.seconds_for(prompt_tokens) > self.bound_s:
             deadline = math.inf  # not interactive: nothing is refused to keep its first token on time
         self._record(prompt_tokens, deadline)

@@ -453,21 +453,12 @@ class Scheduler:
         return rate
 
     def _slab_wait_s(self, home: int) -> float:
-        """The longest a new request of class `home` would wait for a slab: 0 when one is free now; else the steps
-        until the running sequence it would follow into a slab (its place in the queue among those holding a slab
-        of class >= home, soonest end first) has prefilled and decoded up to its max_tokens, at the time of a full
-        step. An upper bound (EOS, stop strings and aborts end sequences sooner), and 0 while no step is timed."""
+        """Expected wait for a slab of a new request of class `home`: 0 when one is free now, else its place in
+        the queue over the measured rate of frees (0 while unmeasured: the queue limit still bounds it)."""
         if self.num_running < self.max_seqs and self.allocator.smallest_free_class(home) is not None:
             return 0.0
-        seconds = self.step_times.snapshot()
-        if not seconds:
-            return 0.0
-        step_s = seconds.get(self.step_tokens, max(seconds.values()))
-        ends = sorted(-(-_remaining_prompt(seq) // self.step_tokens) + seq.request.max_tokens - seq.num_output
-                      for seq in (*self._prefilling.values(), *self._decoding.values())
-                      if seq.slab.class_index >= home)
-        place = len(self._queues[home])
-        return ends[place] * step_s if place < len(ends) else math.inf
+        rate = self._free_rate(home)
+        return (len(self._queues[home]) + 1) / rate if rate > 0 else 0.0
 
     def _queue_full(self, home: int) -> QueueFullError:
         """The error for a full queue, with a retry hint: the mean gap between recent slab frees it could use."""

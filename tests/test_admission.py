@@ -149,25 +149,6 @@ def test_scheduler_measures_steps_and_refuses_then_admits_as_the_backlog_drains(
     s.submit(_req("b", 210))  # the work ahead has drained
 
 
-def test_scheduler_queues_for_a_slab_only_when_one_comes_free_in_time():
-    clock = _Clock()
-    s = Scheduler([SlabClass(512, 2)], 8, 32, BUCKETS, queue_limit=8, clock=clock, max_queue_delay_s=1.0)
-    s.step_times.seed({32: 0.25})
-    s.submit(Request("a", tuple(range(1, 31)), 3))   # both slabs taken
-    s.submit(Request("b", tuple(range(1, 31)), 40))
-    step = s.schedule()
-    clock.now += 0.25
-    s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
-    # "a" ends within 2 steps: a request behind it waits 0.5 s for its slab, then 3 steps of prefill
-    s.submit(Request("c", tuple(range(1, 51)), 4))
-    assert s.load().queued_per_class == (1,)
-    # the next slab after that is "b"'s, 41 steps away
-    with pytest.raises(DelayBoundError, match="its own first token") as err:
-        s.submit(Request("d", tuple(range(1, 51)), 4))
-    assert err.value.retry_after_ms > 9000
-    assert s.load().queued_per_class == (1,) and s.load().running == 2
-
-
 def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
     clock = _Clock()
     s = _sched(clock)
