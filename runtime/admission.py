@@ -12,11 +12,7 @@ arrive faster than the steps can prefill them. With `max_queue_delay_s` set, the
   prefilling sequence guaranteed its share of every step): its first token comes after the prompts shorter than
   its own, its own prompt, and the oldest sequence's share, plus the wait for a slab when none is free now. It is
   refused (`DelayBoundError`, RESOURCE_EXHAUSTED) when that misses its deadline, or when the prefill work it puts
-  ahead of longer admitted prompts would make an interactive one (a prompt that prefills within the bound) miss
-  its own. A long prompt's deadline decides its admission only: were it kept, an analysis admitted near its
-  deadline would have every later completion refused until its first token (measured: 35 s of refusals at 3x
-  capacity). Once admitted it goes after every shorter prompt, and the scheduler's guaranteed share for the oldest
-  prefilling sequence keeps it from starving.
+  ahead of longer admitted prompts would make one of them miss its own.
 
 Step times are measured (an exponential average per bucket, seeded by the engine's warm-up), so the bound holds
 on the machine the server runs on rather than the one the plan was built on. Everything here is pure Python: the
@@ -131,9 +127,8 @@ class AdmissionView:
         return now + max(self.bound_s, own) + own
 
     def admit(self, prompt_tokens: int, home: int, now: float) -> float:
-        """The deadline later admissions must keep for a new request of `prompt_tokens` in slab class `home`
-        (inf for a prompt longer than the bound), recorded in the view; or DelayBoundError if it cannot be
-        admitted without a first token missing its deadline."""
+        """The deadline of a new request of `prompt_tokens` in slab class `home`, recorded in the view; or
+        DelayBoundError if it cannot be admitted without a first token missing its deadline."""
         if not self.measured:  # no step has been timed: no promise can be made, and none is recorded
             self._record(prompt_tokens, math.inf)
             return math.inf
@@ -157,8 +152,6 @@ class AdmissionView:
                 late, whose = miss, "an admitted request's"
         if late > 0:
             raise DelayBoundError(home, max(1, math.ceil(late * 1000)), round(self.bound_s * 1000), whose)
-        if self.seconds_for(prompt_tokens) > self.bound_s:
-            deadline = math.inf  # not interactive: nothing is refused to keep its first token on time
         self._record(prompt_tokens, deadline)
         return deadline
 

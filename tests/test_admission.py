@@ -2,7 +2,6 @@
 requests, the scheduler's measured step times, and the server refusing at the gRPC edge without the engine thread."""
 from __future__ import annotations
 
-import math
 import threading
 import time
 from pathlib import Path
@@ -52,11 +51,8 @@ def test_refuses_a_request_whose_shorter_work_ahead_exceeds_the_bound():
 def test_a_long_prompt_may_wait_as_long_as_its_own_prefill():
     # 64 steps of a shorter prompt ahead: far past the 1 s bound, but a 100-step prompt may wait 100 steps
     ahead = [Pending(32 * 64, seq_no=1, deadline=1e9)]
-    v = _view(ahead)
-    assert v.admit(32 * 100, 1, now=0.0) == math.inf  # admitted; its deadline is not held against others
-    for _ in range(8):  # interactive prompts still go first, and are not refused for its sake
-        v.admit(32, 0, now=0.0)
-    with pytest.raises(DelayBoundError, match="its own first token"):  # but it may not wait 128 steps
+    assert _view(ahead).admit(32 * 100, 1, now=0.0) == 2 * 100 * 0.125
+    with pytest.raises(DelayBoundError, match="its own first token"):  # but not 128 steps
         _view(ahead * 2).admit(32 * 100, 1, now=0.0)
 
 
