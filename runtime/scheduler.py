@@ -41,11 +41,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.admission import AdmissionView, DelayBoundError, OverloadedError, Pending, StepTimes
+from runtime.admission import AdmissionView, OverloadedError, Pending, StepTimes
 from runtime.slab_allocator import Slab, SlabAllocator, SlabClass
-
-__all__ = ["DelayBoundError", "FinishReason", "InvalidRequestError", "OutOfRangeError", "OverloadedError",
-           "QueueFullError", "Request", "Scheduler"]
 
 _RECENT_FREES = 32             # completions per class remembered for the retry hint
 _DEFAULT_RETRY_MS = 1000       # retry hint before any request of the class has finished

@@ -52,11 +52,11 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.slabserve.v1 import serving_pb2 as pb
 from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from runtime.admission import AdmissionView, OverloadedError
 from runtime.engine import Engine, EngineConfig, GenerationEvent, StoppingOptions
 from runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
 from runtime.metrics import Metrics
 from runtime.sampler import SamplingParams
-from runtime.admission import AdmissionView, OverloadedError
 from runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError
 from runtime.slab_allocator import SlabClass
 from runtime.tokenizer import ChatTemplateError
@@ -167,7 +167,7 @@ class EngineLoop:
         try:
             self.call(submit)
         finally:
-            if deadline is not None:  # the engine thread never ran it (it failed): forget the admission
+            if deadline is not None:  # a no-op once submit() ran; when the engine thread failed first, forget it
                 with self._admission_lock:
                     self._unsubmitted.pop(engine_id, None)
         return sink
