@@ -31,7 +31,7 @@ from compiler.tracing import TracedBucket, trace_buckets
 from runtime import plan as P
 from runtime.config import ModelConfig, ModelLoadError
 from runtime.loader import open_config, open_model
-from runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, weight_layout
+from runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, default_gemm, weight_layout
 from runtime.step import logits_rows
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,11 +62,12 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     config = model.config
     # 2) weights, with a rope table for max_context positions until the slabs are known (then: the largest slab,
     #    as runtime.engine builds it; never more bytes, so the KV budget planned below still holds)
-    weights = weight_arena(config, spec.dtype, spec.max_context)
+    gemm = choose_gemm(spec)
+    weights = weight_arena(config, spec.dtype, spec.max_context, gemm)
     # 3) activations: the largest bucket traced on meta weights sizes the arena (the KV rows are not known yet)
     dtype = TORCH_DTYPES[spec.dtype]
     sizing = trace_buckets(config, dtype, spec.buckets[-1:], spec.max_seqs, kv_rows=spec.max_context,
-                           rope_positions=spec.max_context, device=spec.target.device)
+                           rope_positions=spec.max_context, device=spec.target.device, gemm=gemm)
     activation_bytes = shared_arena_bytes(sizing)
     # 4) staging
     staging = staging_buffers(spec, config)
@@ -76,21 +77,21 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
         kv = kv_arena(config, spec.kv_dtype, slabs)
         rope_positions = slabs.max_request_tokens
         traced = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows,
-                               rope_positions=rope_positions, device=spec.target.device)
+                               rope_positions=rope_positions, device=spec.target.device, gemm=gemm)
         _check_same_activations(sizing, traced[-1:], spec.target.device)
         activations = activation_arena(traced)
         if activations.arena_bytes <= activation_bytes:
             break
         activation_bytes = activations.arena_bytes  # a smaller bucket needs more than the largest: plan again
     # 6) totals
-    weights = weight_arena(config, spec.dtype, rope_positions)
+    weights = weight_arena(config, spec.dtype, rope_positions, gemm)
     totals = _totals(spec, weights.arena_bytes, kv.arena_bytes, activations.arena_bytes, staging.total_bytes)
     if not totals.fits:
         raise fit.FitError(fit.report(spec, totals, slabs))
     plan = P.Plan(
         schema=P.SCHEMA, version=P.SCHEMA_VERSION, name=spec.name, servable=spec.servable,
         spec=spec_to_dict(spec), fingerprints=fingerprints(spec, config, model.weights_hash),
-        engine=engine_section(spec, model.resolved, base, rope_positions), model=model_summary(config),
+        engine=engine_section(spec, model.resolved, base, rope_positions, gemm), model=model_summary(config),
         target=P.TargetSection(spec.target.device, spec.target.gpu, spec.target.memory_bytes,
                                spec.target.reserve_bytes),
         weights=weights, kv=kv, activations=activations, staging=staging, totals=totals,
@@ -138,7 +139,16 @@ def model_summary(c: ModelConfig) -> P.ModelSummary:
         num_parameters=c.num_parameters(), context_limit=c.context_limit)
 
 
-def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positions: int) -> P.EngineSection:
+def choose_gemm(spec: Spec) -> str:
+    """The spec's matmul path; `auto` is the native CPU kernel for float32 on cpu when this machine runs it (the
+    plan is built where it will be served, as its device fingerprint says), else aten."""
+    if spec.gemm != "auto":
+        return spec.gemm
+    return default_gemm(spec.target.device, TORCH_DTYPES[spec.dtype])
+
+
+def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positions: int,
+                   gemm: str) -> P.EngineSection:
     path = resolved.path if spec.model.servable else (resolved.config or resolved.path)
     try:
         shown = str(Path(path).resolve().relative_to(base.resolve()))
@@ -148,17 +158,18 @@ def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positio
         model_path=shown, model_format=resolved.kind if spec.model.servable else "config",
         model_package=spec.model.package, model_file=spec.model.file, dtype=spec.dtype, kv_dtype=spec.kv_dtype,
         device=spec.target.device, max_seqs=spec.max_seqs, step_tokens=spec.step_tokens, buckets=spec.buckets,
-        queue_limit=spec.queue_limit, rope_positions=rope_positions, max_queue_delay_ms=spec.max_queue_delay_ms)
+        queue_limit=spec.queue_limit, rope_positions=rope_positions, max_queue_delay_ms=spec.max_queue_delay_ms,
+        gemm=gemm)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2) Weights
 
 
-def weight_arena(config: ModelConfig, dtype: str, rope_positions: int) -> P.WeightArena:
-    """The runtime's weight layout (runtime.model.weight_layout): the packed weights in pack order, then the (P, D)
-    float32 rope table, each aligned to WEIGHT_ALIGNMENT."""
-    slots, arena_bytes = weight_layout(config, TORCH_DTYPES[dtype], rope_positions)
+def weight_arena(config: ModelConfig, dtype: str, rope_positions: int, gemm: str) -> P.WeightArena:
+    """The runtime's weight layout (runtime.model.weight_layout) for the matmul path `gemm`: the packed weights in
+    pack order, then the (P, D) float32 rope table, each aligned to WEIGHT_ALIGNMENT."""
+    slots, arena_bytes = weight_layout(config, TORCH_DTYPES[dtype], rope_positions, gemm)
     entries = tuple(P.WeightEntry(name=s.name, shape=s.shape, dtype=DTYPE_NAMES[s.dtype], offset=s.offset,
                                   nbytes=s.nbytes) for s in slots)
     parameter_bytes = sum(e.nbytes for e in entries if e.name != "rope_cos_sin")

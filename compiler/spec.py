@@ -30,6 +30,9 @@ The shape of a spec (`?` marks an optional key; its default follows `=`):
     max_queue_delay_ms?: none          # admission by latency: refuse (RESOURCE_EXHAUSTED) a request whose first
                                        # token, or an admitted one's, would wait longer than this for the work
                                        # ahead of it (runtime/admission.py)
+    gemm?: auto | aten | native = auto # the matmul path and weight layout (runtime/model.py): native is the
+                                       # panel-packed fp32 CPU kernel (kernels/cpu_native.c); auto takes it for
+                                       # float32 on cpu when this machine can build and run it, else aten
     max_context: 8192                  # longest prompt + output of one request
     kv:                                # exactly one of `classes` and `workload`
       classes: [{tokens: 512, count: 24}, {tokens: 8192, count: 2}]   # ascending tokens
@@ -62,6 +65,7 @@ from runtime.units import format_bytes, parse_bytes
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 DEVICES = ("cpu", "cuda")
 WEIGHTS_MODES = ("load", "none")
+GEMM_CHOICES = ("auto", "aten", "native")  # runtime.model.GEMMS, or auto
 # Device memory as `nvidia-smi --query-gpu=memory.total` reports it (MiB), in bytes. The CUDA context and the
 # driver's own reservations come out of it: that is what `target.reserve` is for.
 GPUS: dict[str, int] = {
@@ -170,6 +174,7 @@ class Spec:
     kv: KVSpec
     queue_limit: int = DEFAULT_QUEUE_LIMIT  # waiting requests per slab class
     max_queue_delay_ms: int | None = None   # admission by latency; None: off
+    gemm: str = "auto"                      # "auto", "aten" or "native" (runtime.model.GEMMS)
     source: str = field(default="<spec>", compare=False)  # where the spec came from, for messages only
 
     @property
@@ -324,7 +329,7 @@ def _show(value: object) -> str:
 
 
 _TOP_KEYS = ("name", "model", "target", "dtype", "kv_dtype", "max_seqs", "step_tokens", "buckets", "queue_limit",
-             "max_queue_delay_ms", "max_context", "kv")
+             "max_queue_delay_ms", "gemm", "max_context", "kv")
 
 _TOP_REQUIRED = ("name", "model", "target", "max_seqs", "step_tokens", "max_context", "kv")
 
@@ -352,6 +357,10 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         if delay > MAX_QUEUE_DELAY_MS:
             raise _Invalid(f"max_queue_delay_ms: {delay} is not allowed; expected an integer from 1 to "
                            f"{MAX_QUEUE_DELAY_MS} (an hour), or leave it out to admit by slabs and queues only")
+    gemm = _choice(top.get("gemm", "auto"), "gemm", GEMM_CHOICES)
+    if gemm == "native" and (target.device != "cpu" or dtype != "float32"):
+        raise _Invalid(f"gemm: native is the float32 CPU kernel; this spec targets {target.device} with dtype "
+                       f"{dtype}: use gemm: aten or auto")
     max_context = _int(top["max_context"], "max_context")
     return Spec(
         name=name,
@@ -366,6 +375,7 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         kv=_parse_kv(top["kv"], max_context, max_seqs, target, base),
         queue_limit=queue_limit,
         max_queue_delay_ms=delay,
+        gemm=gemm,
         source=source,
     )
 
@@ -673,6 +683,7 @@ def spec_to_dict(spec: Spec) -> dict[str, Any]:
         "buckets": list(spec.buckets),
         "queue_limit": spec.queue_limit,
         "max_queue_delay_ms": spec.max_queue_delay_ms,
+        "gemm": spec.gemm,
         "max_context": spec.max_context,
         "kv": _kv_to_dict(spec.kv),
     }

@@ -45,16 +45,16 @@ class TracedBucket:
 
 
 def trace_buckets(config: ModelConfig, dtype: torch.dtype, buckets: Sequence[int], max_seqs: int, *,
-                  kv_rows: int, rope_positions: int, device: str) -> list[TracedBucket]:
+                  kv_rows: int, rope_positions: int, device: str, gemm: str = "aten") -> list[TracedBucket]:
     if device != "cpu":
-        step = meta_step(config, dtype, rope_positions)
+        step = meta_step(config, dtype, rope_positions, gemm)
         return [trace_bucket(step, tokens, max_seqs, kv_rows) for tokens in buckets]
     # torch.export's own fake-tensor machinery; a private module, but the one export itself runs on
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config).items()}
-        step = LlamaStep(config, packed, rope_positions)
+        packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config, gemm).items()}
+        step = LlamaStep(config, packed, rope_positions, gemm=gemm)
         return [trace_bucket(step, tokens, max_seqs, kv_rows) for tokens in buckets]
 
 

@@ -167,3 +167,28 @@ def check_slab_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         _expect_contiguous(op, "workspace", workspace)
     _expect_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, slab_offset=slab_offset,
                         context_len=context_len, out=out, workspace=workspace)
+
+
+# Columns per panel of a panel-packed weight (slabserve::linear): two AVX2 registers of fp32.
+PANEL = 16
+
+
+def panel_shape(k: int, n: int) -> tuple[int, int, int]:
+    """Shape of a (K, N) weight packed as column panels: (ceil(N / PANEL), K, PANEL)."""
+    return (-(-n // PANEL), k, PANEL)
+
+
+def check_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
+    op = "linear"
+    _expect_activation(op, "x", x, 2, torch.float32)
+    _expect_activation(op, "out", out, 2, torch.float32)
+    num_tokens, k = x.shape
+    n = out.shape[1]
+    _expect_shape(op, "out", out, (num_tokens, n))
+    _expect_shape(op, "w", w, panel_shape(k, n))
+    _expect_dtype(op, "w", w, (torch.float32,))
+    _expect_contiguous(op, "w", w)
+    if residual is not None:
+        _expect_activation(op, "residual", residual, 2, torch.float32)
+        _expect_shape(op, "residual", residual, (num_tokens, n))
+    _expect_same_device(op, x=x, w=w, out=out, residual=residual)

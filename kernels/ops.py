@@ -14,6 +14,10 @@ the first CUDA call (during warm-up, before any graph capture).
   slabserve::kv_write(k, v, k_cache, v_cache, slot_mapping)
   slabserve::slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
   slabserve::slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
+  slabserve::linear(x, w, out, residual)       CPU only: w packed as column panels (kernels.cpu_native)
+
+`CPU_PREPARE` maps each op's name to the function the planned executor uses to bind it once on CPU (checks and
+views at bind time, only arithmetic per step): the references' `prepare_*`, and the native linear.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import contracts, reference
+from kernels import contracts, cpu_native, reference
 
 _LIB = "slabserve"
 
@@ -105,8 +109,8 @@ def _kv_write_fake(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 @torch.library.custom_op(f"{_LIB}::slab_attention", mutates_args=("out", "workspace"), device_types="cpu")
 def _slab_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor, slab_offset: Tensor,
                        context_len: Tensor, scale: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
-    reference.slab_prefill_attention_ref(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
-                                         workspace)
+    cpu_native.prepare_slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
+                                      workspace)()
 
 
 @_slab_attention_op.register_kernel("cuda")
@@ -143,6 +147,25 @@ def _slab_decode_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: 
 def _slab_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: Tensor, context_len: Tensor,
                       scale: float, out: Tensor, workspace: Optional[Tensor]) -> None:
     contracts.check_slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, out, workspace)
+
+
+# --- linear (CPU; weights in the panel layout the native kernel reads) --------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::linear", mutates_args=("out",), device_types="cpu")
+def _linear_op(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None) -> None:
+    if cpu_native.available():
+        cpu_native.linear_native(x, w, out, residual)
+    else:
+        reference.linear_ref(x, w, out, residual)
+
+
+@_linear_op.register_fake
+def _linear_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None) -> None:
+    contracts.check_linear(x, w, out, residual)
+
+
+CPU_PREPARE = {**reference.PREPARE, "linear": cpu_native.prepare_linear,
+               "slab_attention": cpu_native.prepare_slab_attention}
 
 
 # --- the functions models call ----------------------------------------------------------------------------
@@ -185,4 +208,10 @@ def slab_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offs
                           scale: float, out: Tensor, workspace: Optional[Tensor] = None) -> Tensor:
     """q (S, H, D), one query per sequence, over its whole slab, into out (S, H, D)."""
     torch.ops.slabserve.slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
+    return out
+
+
+def linear(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+    """x (M, K) @ W into out (M, N), plus residual (M, N) when given; w is W packed as (ceil(N / 16), K, 16)."""
+    torch.ops.slabserve.linear(x, w, out, residual)
     return out

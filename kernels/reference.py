@@ -25,7 +25,9 @@ from collections.abc import Callable
 import torch
 
 from kernels.contracts import (
+    PANEL,
     check_kv_write,
+    check_linear,
     check_rms_norm,
     check_rope,
     check_silu_mul,
@@ -174,6 +176,23 @@ def prepare_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> Run:
 def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     prepare_silu_mul(gate_up, out)()
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- linear
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out = x @ W (+ residual), W packed as column panels (P, K, PANEL): W[k, PANEL p + j] = w[p, k, j].
+
+    The ground truth of the native kernel (kernels/cpu_native.c); allocates its product (the serving path is the
+    native kernel, which writes into `out` directly)."""
+    check_linear(x, w, out, residual)
+    num_panels, k, _ = w.shape
+    product = x @ w.permute(1, 0, 2).reshape(k, num_panels * PANEL)[:, : out.shape[1]]  # (M, N)
+    if residual is not None:
+        product += residual
+    return out.copy_(product)
 
 
 # ---------------------------------------------------------------------------------------------------- kv_write
@@ -336,12 +355,15 @@ _SEQ_COST_IN_KEYS = 256
 
 def prepare_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    query_start: torch.Tensor, slab_offset: torch.Tensor, context_len: torch.Tensor,
-                                   scale: float, out: torch.Tensor, workspace: torch.Tensor | None = None) -> Run:
+                                   scale: float, out: torch.Tensor, workspace: torch.Tensor | None = None,
+                                   done_below: int = 0) -> Run:
     """Chunked-prefill (and mixed decode) attention of flat rows q (T, H, D) over each sequence's slab.
 
     `workspace`: fp32 scratch of at least prefill_workspace_numel(T, H, D, longest context); allocated when None.
     Runs of consecutive decode sequences (one row each) are attended together (`_attend_decode_group`) while
     their windows fit the workspace and padding them to the longest costs less than a call per sequence.
+    `done_below`: sequences of 1 to `done_below` rows (with at least as many keys) are left as they are: another
+    kernel attends them (kernels.cpu_native.prepare_slab_attention).
     """
     check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out, workspace)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -363,6 +385,9 @@ def prepare_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                 continue
             if context < end - begin:  # padding sequence (context 0) or malformed metadata: nothing to see
                 out[begin:end].zero_()
+                s += 1
+                continue
+            if end - begin <= done_below:
                 s += 1
                 continue
             if end - begin == 1 and context <= GROUP_MAX_WINDOW:  # a decode row: group the decode rows that follow

@@ -22,7 +22,8 @@ from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
 from runtime.loader import GGUFSource, WeightSource, open_model
 from runtime.graph_io import GRAPHS_FILE, read_programs
 from runtime.plan import config_fingerprint, read_plan_and_id
-from runtime.model import DTYPE_NAMES, build_step, weight_layout
+from kernels import cpu_native
+from runtime.model import DTYPE_NAMES, build_step, default_gemm, weight_layout
 from runtime.sampler import Sampler, SamplingParams, make_generator
 from runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
 from runtime.slab_allocator import SlabClass
@@ -43,6 +44,7 @@ class EngineConfig:
     dtype: str = "float32"
     queue_limit: int = 64                # waiting requests per slab class
     max_queue_delay_ms: int | None = None  # admission by latency (runtime.admission); None: slabs and queues only
+    gemm: str | None = None              # matmul path (runtime.model.GEMMS); None: runtime.model.default_gemm
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +122,8 @@ class Engine:
         if max_slab > c.context_limit:
             raise ValueError(f"slab class of {max_slab} tokens exceeds the model's context of {c.context_limit}: "
                              f"lower it by {max_slab - c.context_limit}")
-        self.step_fn = build_step(source, self.dtype, rope_positions=max_slab)  # weights in one arena
+        self.gemm = config.gemm or default_gemm("cpu", self.dtype)
+        self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, gemm=self.gemm)  # one weight arena
         rows = sum(k.tokens * k.count for k in config.classes)
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -161,9 +164,11 @@ class Engine:
         source = open_model(_plan_model_path(plan))
         _check_fingerprints(plan, source, Path(directory))
         _check_weight_layout(plan, source)
+        _check_gemm_runs_here(plan.engine.gemm)
         config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
-                              plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms)
+                              plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms,
+                              plan.engine.gemm)
         fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
         graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
@@ -469,9 +474,18 @@ def _tokenizer_for(source: WeightSource) -> Tokenizer:
     return Tokenizer.from_hf_dir(Path(source.path))
 
 
+def _check_gemm_runs_here(gemm: str) -> None:
+    """A plan with the native CPU matmul needs the kernel on this machine (runtime.model.default_gemm)."""
+    if gemm == "native" and not cpu_native.available():
+        raise PlanMismatchError(f"the plan multiplies with the native CPU kernel (engine.gemm: native), which cannot "
+                                f"run here: {cpu_native.unavailable_reason()}; rebuild the plan on this machine "
+                                f"(build-plan takes gemm: aten when the kernel is unavailable) or set gemm: aten")
+
+
 def _check_weight_layout(plan, source: WeightSource) -> None:
     """The plan's weight arena must be the one this runtime fills (runtime.model.weight_layout), byte for byte."""
-    slots, arena_bytes = weight_layout(source.config, DTYPES[plan.engine.dtype], plan.engine.rope_positions)
+    slots, arena_bytes = weight_layout(source.config, DTYPES[plan.engine.dtype], plan.engine.rope_positions,
+                                       plan.engine.gemm)
     mine = [(s.name, tuple(s.shape), DTYPE_NAMES[s.dtype], s.offset, s.nbytes) for s in slots]
     theirs = [(e.name, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in plan.weights.entries]
     if mine != theirs or arena_bytes != plan.weights.arena_bytes:

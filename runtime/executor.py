@@ -35,7 +35,7 @@ from torch._C._profiler import _EventType
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from kernels.reference import PREPARE as CPU_PREPARE
+from kernels.ops import CPU_PREPARE
 from runtime.trace import ActivationTensor, NodeKind, activation_tensors, node_kind
 
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "query_start", "slab_offset", "context_len",

@@ -25,6 +25,7 @@ import msgpack
 
 SCHEMA = "slabserve.plan"
 SCHEMA_VERSION = 1
+GEMMS = ("aten", "native")  # runtime.model.GEMMS (this module imports nothing of ours)
 MAX_QUEUE_DELAY_MS = 3_600_000  # an hour: beyond it admission by latency is off in all but name
 PLAN_FILE = "plan.msgpack"
 MAX_PLAN_BYTES = 64 * 1024**2  # a 30-layer model at 9 buckets is well under 1 MiB
@@ -71,6 +72,7 @@ class EngineSection:
     queue_limit: int  # waiting requests per slab class
     rope_positions: int  # rows of the rope table in the weight arena
     max_queue_delay_ms: int | None = None  # admission by latency (runtime.admission); None: off
+    gemm: str = "aten"  # matmul path and projection layout (runtime.model.GEMMS): "aten" or "native" (CPU fp32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,6 +475,9 @@ def _check_engine(e: EngineSection, servable: bool) -> None:
     _need(e.queue_limit >= 1 and e.rope_positions >= 1, "engine: queue_limit and rope_positions must be >= 1")
     _need(e.max_queue_delay_ms is None or 1 <= e.max_queue_delay_ms <= MAX_QUEUE_DELAY_MS,
           f"engine.max_queue_delay_ms: expected null or 1 to {MAX_QUEUE_DELAY_MS}")
+    _need(e.gemm in GEMMS, f"engine.gemm: {e.gemm!r} is not one of {', '.join(GEMMS)}")
+    _need(e.gemm != "native" or (e.device == "cpu" and e.dtype == "float32"),
+          f"engine.gemm: native needs device cpu and dtype float32, not {e.device} {e.dtype}")
 
 
 def _check_weights(w: WeightArena) -> None:

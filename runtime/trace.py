@@ -88,12 +88,12 @@ def node_kind(node: fx.Node) -> NodeKind:
 # ---------------------------------------------------------------------------------------------------- export
 
 
-def meta_step(config: ModelConfig, dtype: torch.dtype = torch.float32, rope_positions: int | None = None
-              ) -> LlamaStep:
+def meta_step(config: ModelConfig, dtype: torch.dtype = torch.float32, rope_positions: int | None = None,
+              gemm: str = "aten") -> LlamaStep:
     """The step module with every weight (and the rope table) on the `meta` device: traceable, holds no memory."""
     with torch.device("meta"):
-        packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config).items()}
-        return LlamaStep(config, packed, rope_positions)
+        packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config, gemm).items()}
+        return LlamaStep(config, packed, rope_positions, gemm=gemm)
 
 
 def step_example_inputs(config: ModelConfig, num_tokens: int, max_seqs: int, kv_rows: int,

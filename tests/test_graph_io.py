@@ -14,7 +14,9 @@ from compiler.build import build_plan
 from compiler.bundle import write_bundle
 from compiler.spec import load_spec
 from runtime.engine import Engine, PlanMismatchError, StoppingOptions
+from kernels import cpu_native
 from runtime.graph_io import GRAPHS_FILE, GraphFormatError
+from runtime.plan import read_plan
 
 PROMPTS = ["def main(argv):", "The quick brown fox", "for i in range(10):"]
 STOP = StoppingOptions(max_tokens=12, ignore_eos=True)
@@ -62,7 +64,7 @@ def _first_call(data, target_prefix: str) -> dict:
 
 def test_an_op_outside_aten_and_slabserve_is_refused(bundle, monkeypatch):
     monkeypatch.chdir(bundle)
-    _edit(bundle, "hostile", lambda d: _first_call(d, "aten.matmul").update(target="os.system.default"))
+    _edit(bundle, "hostile", lambda d: _first_call(d, "aten.").update(target="os.system.default"))
     with pytest.raises(GraphFormatError, match="'os.system.default' is not an aten or slabserve op"):
         Engine.from_plan(bundle / "hostile")
 
@@ -102,6 +104,17 @@ def test_weights_fill_the_planned_weight_arena(bundle, monkeypatch):
         tensor = engine.step_fn.rope_cos_sin if entry.name == "rope_cos_sin" else engine.step_fn.weight(entry.name)
         assert tensor.data_ptr() == arena.data_ptr() + entry.offset, entry.name
         assert tuple(tensor.shape) == tuple(entry.shape) and tensor.nbytes == entry.nbytes
+
+
+def test_a_native_plan_is_refused_where_the_kernel_cannot_run(bundle, monkeypatch):
+    """The plan chose the native CPU matmul (auto, on this machine); a machine without it gets told what to do."""
+    monkeypatch.chdir(bundle)
+    if read_plan(bundle / "bundle").engine.gemm != "native":
+        pytest.skip(f"the plan uses aten here: {cpu_native.unavailable_reason()}")
+    monkeypatch.setattr(cpu_native, "_state", {"error": "no C compiler found (test)"})
+    with pytest.raises(PlanMismatchError, match=r"native CPU kernel .* cannot run here: no C compiler found \(test\); "
+                                                r"rebuild the plan on this machine"):
+        Engine.from_plan(bundle / "bundle")
 
 
 def test_a_plan_with_another_weight_layout_is_refused(bundle, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from _models import GGUF_TINY, make_hf_model, save_reference_as_hf, write_gguf
+from kernels import cpu_native
 from runtime.loader import open_model
 from runtime.model import build_step
 from runtime.step import SeqChunk, StepInputs
@@ -86,15 +87,20 @@ HF_CASES = {
 }
 
 
+GEMMS = ["aten", pytest.param("native", marks=pytest.mark.skipif(
+    not cpu_native.available(), reason=f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}"))]
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("case", sorted(HF_CASES))
-def test_hf_safetensors_parity(case, tmp_path):
+def test_hf_safetensors_parity(case, gemm, tmp_path):
     from _models import hf_reference
 
     arch, overrides = HF_CASES[case]
     folder = make_hf_model(tmp_path / case, arch, **overrides)
     source = open_model(folder)
     assert source.format == "hf"
-    step = build_step(source, torch.float32)
+    step = build_step(source, torch.float32, gemm=gemm)
     assert_parity(step, hf_reference(folder), source.config, source.config.vocab_size)
 
 

@@ -104,6 +104,7 @@ CASES = [
     ("bool for an int", _set("engine.max_seqs", True), "engine.max_seqs: expected an integer"),
     ("NaN utilization", _set("capacity.utilization", float("nan")), "capacity.utilization: expected a finite"),
     ("unknown dtype", _set("engine.dtype", "float8"), "engine.dtype: dtype 'float8'"),
+    ("unknown gemm", _set("engine.gemm", "blas"), "engine.gemm: 'blas' is not one of aten, native"),
     ("buckets not ascending", _set("engine.buckets", [2, 1, 4, 8]), "not strictly ascending"),
     ("overlapping activations", _overlap, "share bytes while both alive"),
     ("totals that do not add up", _set("totals.planned_bytes", 5), "totals.planned_bytes"),

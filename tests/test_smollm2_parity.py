@@ -11,7 +11,7 @@ import torch
 
 from _models import smollm2_path
 from runtime.loader import open_model
-from runtime.model import build_step
+from runtime.model import build_step, default_gemm
 from runtime.step import SeqChunk, StepInputs
 from runtime.tokenizer import Tokenizer
 
@@ -36,7 +36,7 @@ def prompt_ids():
 def slabserve_greedy(prompt_ids: list[list[int]]):
     source = open_model(smollm2_path())
     c = source.config
-    step = build_step(source, torch.float32, rope_positions=1024)
+    step = build_step(source, torch.float32, rope_positions=1024, gemm=default_gemm("cpu", torch.float32))
     slab = 256
     k_cache = torch.zeros(c.num_layers, slab * len(prompt_ids), c.num_kv_heads, c.head_dim)  # (L, N, Hkv, D)
     v_cache = torch.zeros_like(k_cache)

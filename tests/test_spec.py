@@ -154,6 +154,7 @@ BAD_SPECS = [
     ("weights: no (YAML false)", edit("model.weights", False),
      r"model.weights: bool False is not allowed; expected one of load, none"),
     ("bad name", edit("name", "my plan!"), r"name: 'my plan!' is not allowed; use letters, digits"),
+    ("unknown gemm", edit("gemm", "blas"), r"gemm: 'blas' is not allowed; expected one of auto, aten, native"),
     ("top level not a mapping", ["name", "toy"],
      r"^[^:]*spec.yaml: expected a mapping with keys name, model, target, .*; got list"),
 ]

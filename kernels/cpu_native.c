@@ -1,0 +1,259 @@
+/* slabserve's native CPU kernels: fp32, AVX2 + FMA, threaded with OpenMP.
+ *
+ * Built and loaded by kernels/cpu_native.py (ctypes), after torch is imported, so `#pragma omp` runs on the
+ * OpenMP runtime torch already loaded: one thread pool for ATen, MKL and these kernels, never two competing
+ * for the cores. The thread count is the calling thread's OpenMP setting, which torch.set_num_threads sets.
+ *
+ * Nothing here allocates: every buffer is the caller's.
+ *
+ * linear: y (M, N) = x (M, K) @ W (+ residual), with W packed by the plan as column panels:
+ * W_packed[p, k, j] = W[k, 16 p + j], shape (ceil(N / 16), K, 16), the last panel zero-padded. A panel is one
+ * contiguous stream of K * 64 bytes, so the weights are read front to back exactly once per call whatever M is,
+ * and each panel is multiplied by up to six rows of x at a time held in twelve ymm accumulators. MKL's sgemm on
+ * this layout's competitor, (K, N) row-major, reads 8 to 32 rows at a third of the memory bandwidth.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+#define PANEL 16
+
+int slabserve_cpu_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* `mr` (1..6, a constant after inlining) rows of x times one panel, into y (row stride ldy). */
+static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const float *x, int64_t ldx,
+                                                       const float *p, float *y, int64_t ldy) {
+    __m256 c[6][2];
+    for (int i = 0; i < mr; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 b0 = _mm256_loadu_ps(p + k * PANEL), b1 = _mm256_loadu_ps(p + k * PANEL + 8);
+        for (int i = 0; i < mr; i++) {
+            __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+            c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm256_storeu_ps(y + i * ldy, c[i][0]);
+        _mm256_storeu_ps(y + i * ldy + 8, c[i][1]);
+    }
+}
+
+/* One row times one panel with four accumulators: a single row has too few independent FMAs for two. */
+static void tile_row(int64_t K, const float *x, const float *p, float *y) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+        __m256 s0 = _mm256_broadcast_ss(x + k), s1 = _mm256_broadcast_ss(x + k + 1);
+        a0 = _mm256_fmadd_ps(s0, _mm256_loadu_ps(p + k * PANEL), a0);
+        a1 = _mm256_fmadd_ps(s0, _mm256_loadu_ps(p + k * PANEL + 8), a1);
+        a2 = _mm256_fmadd_ps(s1, _mm256_loadu_ps(p + k * PANEL + 16), a2);
+        a3 = _mm256_fmadd_ps(s1, _mm256_loadu_ps(p + k * PANEL + 24), a3);
+    }
+    if (k < K) {
+        __m256 s0 = _mm256_broadcast_ss(x + k);
+        a0 = _mm256_fmadd_ps(s0, _mm256_loadu_ps(p + k * PANEL), a0);
+        a1 = _mm256_fmadd_ps(s0, _mm256_loadu_ps(p + k * PANEL + 8), a1);
+    }
+    _mm256_storeu_ps(y, _mm256_add_ps(a0, a2));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(a1, a3));
+}
+
+/* Up to six rows of x times one panel into y, 16 columns wide. */
+static inline __attribute__((always_inline)) void rows_times_panel(int mr, int64_t K, const float *x, int64_t ldx, const float *p, float *y,
+                             int64_t ldy) {
+    switch (mr) {
+        case 6: tile(6, K, x, ldx, p, y, ldy); break;
+        case 5: tile(5, K, x, ldx, p, y, ldy); break;
+        case 4: tile(4, K, x, ldx, p, y, ldy); break;
+        case 3: tile(3, K, x, ldx, p, y, ldy); break;
+        case 2: tile(2, K, x, ldx, p, y, ldy); break;
+        default:
+            if (mr == 1) tile_row(K, x, p, y);
+            break;
+    }
+}
+
+/* How many rows the next tile takes: six while it can, and 4 + 4 or 4 + 3 at the end rather than a lone row. */
+static inline int tile_rows(int64_t left) {
+    if (left == 7 || left == 8) return 4;
+    return left >= 6 ? 6 : (int)left;
+}
+
+/* All M rows times one full panel, into y (16 columns). */
+static void panel_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const float *p, float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M;) {
+        int mr = tile_rows(M - m);
+        rows_times_panel(mr, K, x + m * ldx, ldx, p, y + m * ldy, ldy);
+        m += mr;
+    }
+}
+
+/* The padded last panel: each tile goes through the stack, and only its first `cols` columns reach y. */
+static void partial_panel_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const float *p, float *y,
+                               int64_t ldy, int cols) {
+    float tile_out[6 * PANEL];
+    for (int64_t m = 0; m < M;) {
+        int mr = tile_rows(M - m);
+        rows_times_panel(mr, K, x + m * ldx, ldx, p, tile_out, PANEL);
+        for (int i = 0; i < mr; i++) memcpy(y + (m + i) * ldy, tile_out + i * PANEL, cols * sizeof(float));
+        m += mr;
+    }
+}
+
+/* y[:, :cols] += r[:, :cols] over M rows (the residual, added to a panel's columns while they are in cache). */
+static void add_rows(int64_t M, float *y, int64_t ldy, const float *r, int64_t ldr, int cols) {
+    for (int64_t m = 0; m < M; m++)
+        for (int j = 0; j < cols; j++) y[m * ldy + j] += r[m * ldr + j];
+}
+
+/* y = x @ W (+ residual when `residual` is not NULL; it must not overlap y). Row strides ldx, ldy, ldr in floats;
+ * each row's values are contiguous. */
+void slabserve_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *w,
+                          float *y, int64_t ldy, const float *residual, int64_t ldr) {
+    int64_t full = N / PANEL, cols = N % PANEL;
+    if (M <= 0 || N <= 0) return;
+    #pragma omp parallel for schedule(static) if (full > 1)
+    for (int64_t j = 0; j < full; j++) {
+        panel_rows(M, K, x, ldx, w + j * K * PANEL, y + j * PANEL, ldy);
+        if (residual) add_rows(M, y + j * PANEL, ldy, residual + j * PANEL, ldr, PANEL);
+    }
+    if (cols) {
+        partial_panel_rows(M, K, x, ldx, w + full * K * PANEL, y + full * PANEL, ldy, (int)cols);
+        if (residual) add_rows(M, y + full * PANEL, ldy, residual + full * PANEL, ldr, (int)cols);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ attention
+ *
+ * slab attention of short query runs (decode rows, and prefill chunks of up to `max_q_len` rows): sequence s owns
+ * query rows query_start[s] .. query_start[s+1]-1; its row j sits at position p = context_len[s] - q_len + j and
+ * sees cache rows slab_offset[s] + [0, p]. One task per (sequence, kv head): the G = H / Hkv query heads of the
+ * group share each K and V row as it streams past, with the softmax computed online over blocks of 64 keys
+ * (running max and sum per head, accumulator rescaled when the max grows), so nothing but a few KB of stack is
+ * needed whatever the context. Sequences with more rows, no rows, or fewer keys than rows are left untouched
+ * (the caller runs them). */
+
+#define KEY_BLOCK 64
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+/* exp(x) for 8 floats: Cephes' range reduction and degree-5 polynomial (relative error about 2e-7); inputs
+ * below -87.3 give 0. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One query row's G heads (q: G rows of D, stride D) over `n` keys starting at k/v (row stride ldkv), into out. */
+static void attend_row(int G, int D, const float *q, const float *k, const float *v, int64_t ldkv, int64_t n,
+                       float scale, float *out) {
+    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    float sc[MAX_GROUP][KEY_BLOCK];
+    for (int h = 0; h < G; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        memset(acc[h], 0, D * sizeof(float));
+    }
+    for (int64_t start = 0; start < n; start += KEY_BLOCK) {
+        int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
+        /* 1) scores of the block */
+        for (int i = 0; i < len; i++) {
+            const float *kr = k + (start + i) * ldkv;
+            for (int h = 0; h < G; h++) {
+                __m256 s = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), _mm256_loadu_ps(kr + d), s);
+                sc[h][i] = hsum256(s) * scale;
+            }
+        }
+        /* 2) online softmax: new max, rescale what is accumulated, probabilities of the block */
+        for (int h = 0; h < G; h++) {
+            float bm = m[h];
+            for (int i = 0; i < len; i++) bm = sc[h][i] > bm ? sc[h][i] : bm;
+            if (bm > m[h]) {
+                float corr = m[h] == -INFINITY ? 0.0f : expf(m[h] - bm);
+                l[h] *= corr;
+                for (int d = 0; d < D; d++) acc[h][d] *= corr;
+                m[h] = bm;
+            }
+            __m256 mx = _mm256_set1_ps(m[h]), total = _mm256_setzero_ps();
+            int i = 0;
+            for (; i + 8 <= len; i += 8) {
+                __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc[h] + i), mx));
+                _mm256_storeu_ps(sc[h] + i, p);
+                total = _mm256_add_ps(total, p);
+            }
+            float rest = 0.0f;
+            for (; i < len; i++) {
+                sc[h][i] = expf(sc[h][i] - m[h]);
+                rest += sc[h][i];
+            }
+            l[h] += hsum256(total) + rest;
+        }
+        /* 3) probabilities times V */
+        for (int i = 0; i < len; i++) {
+            const float *vr = v + (start + i) * ldkv;
+            for (int h = 0; h < G; h++) {
+                __m256 p = _mm256_set1_ps(sc[h][i]);
+                for (int d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(acc[h] + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(acc[h] + d)));
+            }
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        float inv = 1.0f / l[h];
+        for (int d = 0; d < D; d++) out[h * D + d] = acc[h][d] * inv;
+    }
+}
+
+/* Returns 0, or -1 when the head layout is beyond this kernel (then it has done nothing). */
+int slabserve_slab_attention_f32(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 const float *q, int64_t ldq, const float *k_cache, const float *v_cache,
+                                 const int32_t *query_start, const int64_t *slab_offset, const int32_t *context_len,
+                                 float scale, float *out, int64_t max_q_len) {
+    int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+    if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads || head_dim % 8 || head_dim > MAX_HEAD_DIM)
+        return -1;
+    int64_t ldkv = num_kv_heads * head_dim, ldo = num_heads * head_dim;
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t g = 0; g < num_kv_heads; g++) {
+            int64_t begin = query_start[s], rows = query_start[s + 1] - begin, context = context_len[s];
+            if (rows < 1 || rows > max_q_len || context < rows) continue;
+            const float *k = k_cache + slab_offset[s] * ldkv + g * head_dim;
+            const float *v = v_cache + slab_offset[s] * ldkv + g * head_dim;
+            for (int64_t j = 0; j < rows; j++) {
+                const float *qr = q + (begin + j) * ldq + g * group * head_dim;
+                attend_row((int)group, (int)head_dim, qr, k, v, ldkv, context - rows + j + 1, scale,
+                           out + (begin + j) * ldo + g * group * head_dim);
+            }
+        }
+    }
+    return 0;
+}

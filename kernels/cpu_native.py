@@ -1,0 +1,205 @@
+"""The native CPU kernels (kernels/cpu_native.c): built on first use with the machine's C compiler, loaded with
+ctypes, and called with every pointer bound once.
+
+Contract: `available()` says whether the kernels run here (an x86-64 CPU with AVX2 and FMA, a C compiler with
+OpenMP; `unavailable_reason()` says what is missing). `pack_panels(w)` turns a (K, N) weight into the panel layout
+the native linear reads, (ceil(N / 16), K, 16); `unpack_panels` undoes it. `prepare_linear(x, w, out, residual)`
+checks the call once and returns a `run()` that computes `out = x @ W (+ residual)` into `out` with no Python work
+beyond one foreign call, for the planned executor to call every step; `linear_native` is the one-shot form.
+
+The library is compiled from the source beside this file into a cache folder keyed by the source's hash
+(`$SLABSERVE_KERNEL_CACHE`, else `~/.cache/slabserve/kernels`), written to a temporary name and renamed into
+place, so processes that build it at once never load a half-written file. `status()` builds it ahead of time (the Makefile
+calls it) and says where it is or why there is none.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch  # first: the library's OpenMP calls bind to the runtime torch loaded (one thread pool)
+
+from kernels.contracts import PANEL, check_linear, panel_shape
+from kernels.reference import prepare_slab_prefill_attention
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+_LIBS = ("-lm",)
+# Sequences of up to this many query rows are attended by the native kernel (a row at a time, K and V streamed
+# past each query row's heads); longer prefill chunks by the reference's GEMMs, which reuse each K/V row across
+# all the chunk's rows.
+ATTENTION_MAX_ROWS = 16
+
+_state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there is none (filled once)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SLABSERVE_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "slabserve" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def library_path() -> Path:
+    """Where the library built from the current source lives (whether or not it is built yet)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return _cache_dir() / f"slabserve_cpu_{digest}.so"
+
+
+def build() -> Path:
+    """Compile the library if it is not in the cache yet; its path. Raises RuntimeError saying what failed."""
+    target = library_path()
+    if target.is_file():
+        return target
+    if sys.platform != "linux" or os.uname().machine not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"the native CPU kernels are x86-64 Linux only (this is {sys.platform} "
+                           f"{os.uname().machine})")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (tried $CC, cc, gcc, clang): install gcc to use the native CPU "
+                           "kernels")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *_FLAGS, str(SOURCE), "-o", tmp, *_LIBS], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    if "lib" in _state or "error" in _state:
+        return _state.get("lib")  # type: ignore[return-value]
+    try:
+        lib = ctypes.CDLL(str(build()))
+        if not lib.slabserve_cpu_supported():
+            raise RuntimeError("this CPU lacks AVX2 or FMA, which the native CPU kernels need")
+        f = lib.slabserve_linear_f32
+        f.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        f.restype = None
+        a = lib.slabserve_slab_attention_f32
+        a.argtypes = ([ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
+                      + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64])
+        a.restype = ctypes.c_int
+        _state["lib"] = lib
+    except (OSError, RuntimeError) as exc:
+        _state["error"] = str(exc)
+    return _state.get("lib")  # type: ignore[return-value]
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _state.get("error")  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """(K, N) -> (ceil(N / 16), K, 16) contiguous: panel p holds columns 16p .. 16p + 15, the last zero-padded."""
+    k, n = w.shape
+    panels = torch.zeros(panel_shape(k, n), dtype=w.dtype, device=w.device)  # (P, K, 16)
+    full = n // PANEL
+    panels[:full].copy_(w[:, : full * PANEL].reshape(k, full, PANEL).permute(1, 0, 2))
+    if n % PANEL:
+        panels[full, :, : n % PANEL].copy_(w[:, full * PANEL :])
+    return panels
+
+
+def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The (K, n) matrix a panel-packed weight holds (a new tensor)."""
+    p, k, _ = panels.shape
+    return panels.permute(1, 0, 2).reshape(k, p * PANEL)[:, :n].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------- linear
+
+
+def prepare_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                   residual: torch.Tensor | None = None) -> Callable[[], None]:
+    """Check once and bind: `run()` computes out = x @ W (+ residual) with the native kernel."""
+    check_linear(x, w, out, residual)
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"linear: the native CPU kernels are not available here: {unavailable_reason()}")
+    if x.device.type != "cpu":
+        raise ValueError("linear: the native kernel takes CPU tensors only")
+    m, k = x.shape
+    return partial(lib.slabserve_linear_f32, m, out.shape[1], k, x.data_ptr(), x.stride(0), w.data_ptr(),
+                   out.data_ptr(), out.stride(0), residual.data_ptr() if residual is not None else None,
+                   residual.stride(0) if residual is not None else 0)
+
+
+def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    prepare_linear(x, w, out, residual)()
+    return out
+
+
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
+                           slab_offset: torch.Tensor, context_len: torch.Tensor, scale: float, out: torch.Tensor,
+                           workspace: torch.Tensor | None = None) -> Callable[[], None]:
+    """slabserve::slab_attention on CPU (semantics: kernels.reference): sequences of up to ATTENTION_MAX_ROWS
+    query rows through the native kernel, the rest (long prefill chunks, padding) through the reference. Without
+    the native kernels, or for a layout it does not take (fp16/bf16, head_dim not a multiple of 8), the
+    reference does all of it."""
+    native = _load() is not None and q.dtype == torch.float32 and _attention_layout_ok(q, k_cache)
+    if not native:
+        return prepare_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
+                                              workspace)
+    rest = prepare_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
+                                          workspace, done_below=ATTENTION_MAX_ROWS)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    short = partial(_state["lib"].slabserve_slab_attention_f32, slab_offset.shape[0], num_heads,  # type: ignore
+                    k_cache.shape[1], head_dim, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                    query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(),
+                    ATTENTION_MAX_ROWS)
+
+    def run() -> None:
+        short()
+        rest()
+
+    return run
+
+
+def _attention_layout_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """What the native kernel takes: heads contiguous within a row of q, D a multiple of 8 up to 256, at most 16
+    query heads per kv head (kernels/cpu_native.c)."""
+    _, num_heads, head_dim = q.shape
+    group = num_heads // max(k_cache.shape[1], 1)
+    return (q.stride(2) == 1 and q.stride(1) == head_dim and head_dim % 8 == 0 and head_dim <= 256
+            and 1 <= group <= 16)
+
+
+def status() -> str:
+    """One line for logs and the Makefile: where the library is, or why the native kernels are unavailable."""
+    return f"native CPU kernels: {library_path()}" if available() else \
+        f"native CPU kernels unavailable ({unavailable_reason()}); CPU plans use aten matmul"

@@ -1,0 +1,177 @@
+"""The native CPU kernels (kernels/cpu_native.c) against their PyTorch references.
+
+slabserve::linear on panel-packed weights (every row count a tile can take, padded last panels, the residual,
+strided rows of x) and slab attention of short query runs (decode rows and small prefill chunks mixed with long
+chunks, padding sequences, GQA and MHA), plus the layout helpers, the contract, the fallback when the library is
+unavailable, a build from an empty cache, and the promise that neither kernel allocates.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
+from kernels import cpu_native, reference
+from kernels.contracts import PANEL, panel_shape
+from runtime.executor import allocations
+
+REPO = Path(__file__).resolve().parents[1]
+needs_native = pytest.mark.skipif(not cpu_native.available(),
+                                  reason=f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("k, n", [(576, 960), (64, 40), (33, 17), (8, 5), (1536, 576)])
+def test_pack_panels_round_trips_and_pads_with_zeros(k, n):
+    w = _randn(k, n, seed=k + n)
+    panels = cpu_native.pack_panels(w)
+    assert tuple(panels.shape) == panel_shape(k, n) and panels.is_contiguous()
+    assert torch.equal(cpu_native.unpack_panels(panels, n), w)
+    assert torch.equal(panels[0, :, : min(n, PANEL)], w[:, : min(n, PANEL)])
+    if n % PANEL:
+        assert not panels[-1, :, n % PANEL :].any()
+
+
+@needs_native
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 61])
+@pytest.mark.parametrize("k, n", [(64, 48), (33, 17), (96, 5)])
+def test_native_linear_matches_reference(m, k, n):
+    x, w, r = _randn(m, k, seed=1), _randn(k, n, seed=2), _randn(m, n, seed=3)
+    panels = cpu_native.pack_panels(w)
+    for residual in (None, r):
+        got = cpu_native.linear_native(x, panels, torch.full((m, n), float("nan")), residual)
+        want = reference.linear_ref(x, panels, torch.empty(m, n), residual)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(want, x @ w + (0 if residual is None else residual), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_linear_takes_strided_rows_and_writes_only_its_columns():
+    """x and out may be column slices of wider rows (the fused qkv and the residual stream are)."""
+    wide_x, wide_out = _randn(7, 100, seed=4), torch.zeros(7, 50)
+    x, out = wide_x[:, 10:74], wide_out[:, 3:40]  # (7, 64), (7, 37), row strides 100 and 50
+    w = _randn(64, 37, seed=5)
+    cpu_native.linear_native(x, cpu_native.pack_panels(w), out)
+    torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-5)
+    assert not wide_out[:, :3].any() and not wide_out[:, 40:].any()
+
+
+def test_linear_op_checks_its_contract():
+    x, panels = torch.randn(4, 32), cpu_native.pack_panels(torch.randn(32, 20))
+    with pytest.raises(ValueError, match="linear: w has shape"):
+        torch.ops.slabserve.linear(x, panels, torch.empty(4, 40))
+    with pytest.raises(ValueError, match="linear: residual has shape"):
+        torch.ops.slabserve.linear(x, panels, torch.empty(4, 20), torch.empty(3, 20))
+    with pytest.raises(ValueError, match="linear: x has dtype"):
+        torch.ops.slabserve.linear(x.half(), panels, torch.empty(4, 20))
+
+
+def test_linear_opcheck():
+    x, panels = torch.randn(5, 24), cpu_native.pack_panels(torch.randn(24, 20))
+    torch.library.opcheck(torch.ops.slabserve.linear.default, (x, panels, torch.empty(5, 20), torch.randn(5, 20)),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+def _attention_case(seed: int):
+    """A random flat step: sequences of 0 to 40 rows (padding ones with no keys among them) over their slabs."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim = rng.choice([(9, 3, 64), (4, 4, 16), (8, 2, 32), (6, 1, 8)])
+    q_lens = [rng.choice([0, 1, 1, 1, 2, 5, 16, 17, 40]) for _ in range(rng.randint(1, 6))]
+    contexts = [q + rng.randint(0, 60) if rng.random() > 0.1 else 0 for q in q_lens]
+    rows = sum(q_lens) + rng.randint(0, 3)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)  # q is a slice of a fused row
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    k_cache = torch.randn(100 * len(q_lens), kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(100 * len(q_lens), kv_heads, head_dim, generator=gen)
+    query_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    slab_offset = torch.arange(len(q_lens), dtype=torch.int64) * 100
+    context_len = torch.tensor(contexts, dtype=torch.int32)
+    workspace = torch.empty(reference.cpu_workspace_numel(rows, heads, head_dim, 100, kv_heads))
+    return (q, k_cache, v_cache, query_start, slab_offset, context_len, head_dim ** -0.5), workspace
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(24))
+def test_native_attention_matches_reference(seed):
+    args, workspace = _attention_case(seed)
+    want = torch.full_like(args[0], 7.0)
+    reference.prepare_slab_prefill_attention(*args, want, workspace)()
+    got = torch.full_like(args[0], 7.0)
+    cpu_native.prepare_slab_attention(*args, got, workspace)()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_attention_takes_rows_up_to_its_limit_and_leaves_the_rest():
+    args, workspace = _attention_case(0)
+    q, k_cache, v_cache, _, _, _, scale = args
+    limit = cpu_native.ATTENTION_MAX_ROWS
+    query_start = torch.tensor([0, 1, 1 + limit, 2 + 2 * limit], dtype=torch.int32)  # 1, limit, limit + 1 rows
+    rows = int(query_start[-1])
+    q = torch.randn(rows, q.shape[1], q.shape[2])
+    slab_offset = torch.tensor([0, 100, 200])
+    context_len = torch.tensor([30, limit + 3, limit + 9], dtype=torch.int32)
+    out = torch.full_like(q, 7.0)
+    lib = cpu_native._state["lib"]
+    lib.slabserve_slab_attention_f32(3, q.shape[1], k_cache.shape[1], q.shape[2], q.data_ptr(), q.stride(0),
+                                     k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(),
+                                     slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(), limit)
+    want = reference.slab_prefill_attention_ref(q, k_cache, v_cache, query_start, slab_offset, context_len, scale,
+                                                torch.empty_like(q))
+    torch.testing.assert_close(out[: 1 + limit], want[: 1 + limit], rtol=1e-5, atol=1e-5)
+    assert (out[1 + limit :] == 7.0).all(), "the sequence over the limit is the reference's to attend"
+
+
+# ---------------------------------------------------------------------------------------------------- plumbing
+
+
+@needs_native
+def test_native_kernels_allocate_nothing():
+    x, panels, out, res = torch.randn(8, 64), cpu_native.pack_panels(torch.randn(64, 40)), torch.empty(8, 40), \
+        torch.randn(8, 40)
+    linear = cpu_native.prepare_linear(x, panels, out, res)
+    (q, k, v, qs, so, cl, scale), workspace = _attention_case(3)
+    attention = cpu_native.prepare_slab_attention(q, k, v, qs, so, cl, scale, torch.empty_like(q), workspace)
+    assert allocations(lambda: (linear(), attention()), steps=5) == []
+
+
+def test_without_the_library_linear_refuses_to_bind_and_attention_runs_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_state", {"error": "no C compiler found (test)"})
+    assert not cpu_native.available() and "test" in cpu_native.unavailable_reason()
+    x, w = torch.randn(3, 16), torch.randn(16, 20)
+    with pytest.raises(RuntimeError, match="native CPU kernels are not available here: no C compiler"):
+        cpu_native.prepare_linear(x, cpu_native.pack_panels(w), torch.empty(3, 20))
+    out = torch.ops.slabserve.linear(x, cpu_native.pack_panels(w), torch.empty(3, 20))  # the op: the reference
+    args, workspace = _attention_case(5)
+    got, want = torch.full_like(args[0], 7.0), torch.full_like(args[0], 7.0)
+    cpu_native.prepare_slab_attention(*args, got, workspace)()
+    reference.prepare_slab_prefill_attention(*args, want, workspace)()
+    assert torch.equal(got, want) and out is None
+
+
+@needs_native
+def test_library_builds_from_an_empty_cache(tmp_path):
+    code = ("from kernels import cpu_native; assert cpu_native.available(), cpu_native.unavailable_reason(); "
+            "print(cpu_native.library_path())")
+    env = {**os.environ, "SLABSERVE_KERNEL_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          check=True)
+    built = Path(done.stdout.strip())
+    assert built.parent == tmp_path and built.is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [built.name], "no temporary file left behind"
