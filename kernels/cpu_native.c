@@ -73,8 +73,8 @@ static void tile_row(int64_t K, const float *x, const float *p, float *y) {
 }
 
 /* Up to six rows of x times one panel into y, 16 columns wide. */
-static inline __attribute__((always_inline)) void rows_times_panel(int mr, int64_t K, const float *x, int64_t ldx, const float *p, float *y,
-                             int64_t ldy) {
+static inline __attribute__((always_inline)) void rows_times_panel(int mr, int64_t K, const float *x, int64_t ldx,
+                                                                   const float *p, float *y, int64_t ldy) {
     switch (mr) {
         case 6: tile(6, K, x, ldx, p, y, ldy); break;
         case 5: tile(5, K, x, ldx, p, y, ldy); break;
@@ -142,9 +142,9 @@ void slabserve_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64
  * slab attention of short query runs (decode rows, and prefill chunks of up to `max_q_len` rows): sequence s owns
  * query rows query_start[s] .. query_start[s+1]-1; its row j sits at position p = context_len[s] - q_len + j and
  * sees cache rows slab_offset[s] + [0, p]. One task per (sequence, kv head): the G = H / Hkv query heads of the
- * group share each K and V row as it streams past, with the softmax computed online over blocks of 64 keys
- * (running max and sum per head, accumulator rescaled when the max grows), so nothing but a few KB of stack is
- * needed whatever the context. Sequences with more rows, no rows, or fewer keys than rows are left untouched
+ * group take each block of 64 K and V rows in turn while it sits in L1, with the softmax computed online (running
+ * max and sum per head, accumulator rescaled when the max grows), so nothing but a few KB of stack is needed
+ * whatever the context. Sequences with more rows, no rows, or fewer keys than rows are left untouched
  * (the caller runs them). */
 
 #define KEY_BLOCK 64
@@ -172,6 +172,13 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
+/* The eight horizontal sums of v[0..7], as one vector. */
+static inline __m256 hsum8(const __m256 v[8]) {
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -179,11 +186,84 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One query row's G heads (q: G rows of D, stride D) over `n` keys starting at k/v (row stride ldkv), into out. */
+/* scale * q . k for `len` keys (rows of k, stride ldkv) into sc: eight keys at a time, each its own accumulator,
+ * so the FMAs of eight dot products interleave instead of waiting on one chain. */
+static void block_scores(int D, const float *q, const float *k, int64_t ldkv, int len, float scale, float *sc) {
+    int i = 0;
+    for (; i + 8 <= len; i += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            __m256 qd = _mm256_loadu_ps(q + d);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (i + j) * ldkv + d), acc[j]);
+        }
+        _mm256_storeu_ps(sc + i, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+    }
+    for (; i < len; i++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + i * ldkv + d), acc);
+        sc[i] = hsum256(acc) * scale;
+    }
+}
+
+/* acc[0..D) += sum_i p[i] * v_i over `len` rows of v: 32 columns at a time held in four registers. */
+static void block_values(int D, const float *p, const float *v, int64_t ldkv, int len, float *acc) {
+    int d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+        for (int i = 0; i < len; i++) {
+            const float *vr = v + i * ldkv + d;
+            __m256 pi = _mm256_set1_ps(p[i]);
+            a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr), a0);
+            a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 8), a1);
+            a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 16), a2);
+            a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 24), a3);
+        }
+        _mm256_storeu_ps(acc + d, a0);
+        _mm256_storeu_ps(acc + d + 8, a1);
+        _mm256_storeu_ps(acc + d + 16, a2);
+        _mm256_storeu_ps(acc + d + 24, a3);
+    }
+    for (; d < D; d += 8) {
+        __m256 a = _mm256_loadu_ps(acc + d);
+        for (int i = 0; i < len; i++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v + i * ldkv + d), a);
+        _mm256_storeu_ps(acc + d, a);
+    }
+}
+
+/* Softmax bookkeeping of one head for one block of scores: raise the running max *m (rescaling the running sum *l
+ * and the accumulator when it grows), turn the scores into exp(score - max) in place, add them to *l. */
+static void block_softmax(int D, float *sc, int len, float *m, float *l, float *acc) {
+    float bm = *m;
+    for (int i = 0; i < len; i++) bm = sc[i] > bm ? sc[i] : bm;
+    if (bm > *m) {
+        float corr = *m == -INFINITY ? 0.0f : expf(*m - bm);
+        *l *= corr;
+        for (int d = 0; d < D; d++) acc[d] *= corr;
+        *m = bm;
+    }
+    __m256 mx = _mm256_set1_ps(*m), total = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= len; i += 8) {
+        __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), mx));
+        _mm256_storeu_ps(sc + i, p);
+        total = _mm256_add_ps(total, p);
+    }
+    float rest = 0.0f;
+    for (; i < len; i++) {
+        sc[i] = expf(sc[i] - *m);
+        rest += sc[i];
+    }
+    *l += hsum256(total) + rest;
+}
+
+/* One query row's G heads (q: G rows of D, stride D) over `n` keys starting at k/v (row stride ldkv), into out
+ * (G rows of D). Each block of keys is read once per head while it sits in L1. */
 static void attend_row(int G, int D, const float *q, const float *k, const float *v, int64_t ldkv, int64_t n,
                        float scale, float *out) {
-    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
-    float sc[MAX_GROUP][KEY_BLOCK];
+    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], sc[KEY_BLOCK];
     for (int h = 0; h < G; h++) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
@@ -191,47 +271,10 @@ static void attend_row(int G, int D, const float *q, const float *k, const float
     }
     for (int64_t start = 0; start < n; start += KEY_BLOCK) {
         int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
-        /* 1) scores of the block */
-        for (int i = 0; i < len; i++) {
-            const float *kr = k + (start + i) * ldkv;
-            for (int h = 0; h < G; h++) {
-                __m256 s = _mm256_setzero_ps();
-                for (int d = 0; d < D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), _mm256_loadu_ps(kr + d), s);
-                sc[h][i] = hsum256(s) * scale;
-            }
-        }
-        /* 2) online softmax: new max, rescale what is accumulated, probabilities of the block */
         for (int h = 0; h < G; h++) {
-            float bm = m[h];
-            for (int i = 0; i < len; i++) bm = sc[h][i] > bm ? sc[h][i] : bm;
-            if (bm > m[h]) {
-                float corr = m[h] == -INFINITY ? 0.0f : expf(m[h] - bm);
-                l[h] *= corr;
-                for (int d = 0; d < D; d++) acc[h][d] *= corr;
-                m[h] = bm;
-            }
-            __m256 mx = _mm256_set1_ps(m[h]), total = _mm256_setzero_ps();
-            int i = 0;
-            for (; i + 8 <= len; i += 8) {
-                __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc[h] + i), mx));
-                _mm256_storeu_ps(sc[h] + i, p);
-                total = _mm256_add_ps(total, p);
-            }
-            float rest = 0.0f;
-            for (; i < len; i++) {
-                sc[h][i] = expf(sc[h][i] - m[h]);
-                rest += sc[h][i];
-            }
-            l[h] += hsum256(total) + rest;
-        }
-        /* 3) probabilities times V */
-        for (int i = 0; i < len; i++) {
-            const float *vr = v + (start + i) * ldkv;
-            for (int h = 0; h < G; h++) {
-                __m256 p = _mm256_set1_ps(sc[h][i]);
-                for (int d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(acc[h] + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(acc[h] + d)));
-            }
+            block_scores(D, q + h * D, k + start * ldkv, ldkv, len, scale, sc);
+            block_softmax(D, sc, len, &m[h], &l[h], acc[h]);
+            block_values(D, sc, v + start * ldkv, ldkv, len, acc[h]);
         }
     }
     for (int h = 0; h < G; h++) {
@@ -240,15 +283,28 @@ static void attend_row(int G, int D, const float *q, const float *k, const float
     }
 }
 
-/* Returns 0, or -1 when the head layout is beyond this kernel (then it has done nothing). */
-int slabserve_slab_attention_f32(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                 const float *q, int64_t ldq, const float *k_cache, const float *v_cache,
-                                 const int32_t *query_start, const int64_t *slab_offset, const int32_t *context_len,
-                                 float scale, float *out, int64_t max_q_len) {
+/* Attends every sequence of 1 to max_q_len rows that has at least as many keys as rows, and zeroes the rows that
+ * see no key (those of sequences with fewer keys than rows, and the padding rows from query_start[num_seqs] to
+ * num_rows). Returns how many sequences it left to the caller (more than max_q_len rows), or -1 when the head
+ * layout is beyond this kernel (then it has done nothing). */
+int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, const float *q, int64_t ldq, const float *k_cache,
+                                 const float *v_cache, const int32_t *query_start, const int64_t *slab_offset,
+                                 const int32_t *context_len, float scale, float *out, int64_t max_q_len) {
     int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads || head_dim % 8 || head_dim > MAX_HEAD_DIM)
         return -1;
     int64_t ldkv = num_kv_heads * head_dim, ldo = num_heads * head_dim;
+    int left = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        int64_t rows = query_start[s + 1] - query_start[s];
+        if (rows >= 1 && context_len[s] < rows)
+            memset(out + query_start[s] * ldo, 0, rows * ldo * sizeof(float));
+        else if (rows > max_q_len)
+            left++;
+    }
+    if (query_start[num_seqs] < num_rows)
+        memset(out + query_start[num_seqs] * ldo, 0, (num_rows - query_start[num_seqs]) * ldo * sizeof(float));
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
         for (int64_t g = 0; g < num_kv_heads; g++) {
@@ -263,5 +319,5 @@ int slabserve_slab_attention_f32(int64_t num_seqs, int64_t num_heads, int64_t nu
             }
         }
     }
-    return 0;
+    return left;
 }

@@ -9,8 +9,8 @@ beyond one foreign call, for the planned executor to call every step; `linear_na
 
 The library is compiled from the source beside this file into a cache folder keyed by the source's hash
 (`$SLABSERVE_KERNEL_CACHE`, else `~/.cache/slabserve/kernels`), written to a temporary name and renamed into
-place, so processes that build it at once never load a half-written file. `status()` builds it ahead of time (the Makefile
-calls it) and says where it is or why there is none.
+place, so processes that build it at once never load a half-written file. `status()` builds it ahead of time
+(the Makefile calls it) and says where it is or why there is none.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _load() -> ctypes.CDLL | None:
                                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
         f.restype = None
         a = lib.slabserve_slab_attention_f32
-        a.argtypes = ([ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
+        a.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
                       + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64])
         a.restype = ctypes.c_int
         _state["lib"] = lib
@@ -168,7 +168,8 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            slab_offset: torch.Tensor, context_len: torch.Tensor, scale: float, out: torch.Tensor,
                            workspace: torch.Tensor | None = None) -> Callable[[], None]:
     """slabserve::slab_attention on CPU (semantics: kernels.reference): sequences of up to ATTENTION_MAX_ROWS
-    query rows through the native kernel, the rest (long prefill chunks, padding) through the reference. Without
+    query rows (and the zeroing of rows that see no key) through the native kernel, and only when a step has
+    longer prefill chunks, those through the reference. Without
     the native kernels, or for a layout it does not take (fp16/bf16, head_dim not a multiple of 8), the
     reference does all of it."""
     native = _load() is not None and q.dtype == torch.float32 and _attention_layout_ok(q, k_cache)
@@ -178,14 +179,15 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rest = prepare_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
                                           workspace, done_below=ATTENTION_MAX_ROWS)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    short = partial(_state["lib"].slabserve_slab_attention_f32, slab_offset.shape[0], num_heads,  # type: ignore
+    lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
+    short = partial(lib.slabserve_slab_attention_f32, q.shape[0], slab_offset.shape[0], num_heads,
                     k_cache.shape[1], head_dim, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                     query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(),
                     ATTENTION_MAX_ROWS)
 
     def run() -> None:
-        short()
-        rest()
+        if short():  # sequences longer than ATTENTION_MAX_ROWS are left: the reference's GEMMs take them
+            rest()
 
     return run
 

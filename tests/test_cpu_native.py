@@ -129,9 +129,11 @@ def test_native_attention_takes_rows_up_to_its_limit_and_leaves_the_rest():
     context_len = torch.tensor([30, limit + 3, limit + 9], dtype=torch.int32)
     out = torch.full_like(q, 7.0)
     lib = cpu_native._state["lib"]
-    lib.slabserve_slab_attention_f32(3, q.shape[1], k_cache.shape[1], q.shape[2], q.data_ptr(), q.stride(0),
-                                     k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(),
-                                     slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(), limit)
+    left = lib.slabserve_slab_attention_f32(rows, 3, q.shape[1], k_cache.shape[1], q.shape[2], q.data_ptr(),
+                                            q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                            query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(),
+                                            scale, out.data_ptr(), limit)
+    assert left == 1
     want = reference.slab_prefill_attention_ref(q, k_cache, v_cache, query_start, slab_offset, context_len, scale,
                                                 torch.empty_like(q))
     torch.testing.assert_close(out[: 1 + limit], want[: 1 + limit], rtol=1e-5, atol=1e-5)
