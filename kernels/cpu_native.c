@@ -285,16 +285,26 @@ static void attend_row(int G, int D, const float *q, const float *k, const float
 
 /* Attends every sequence of 1 to max_q_len rows that has at least as many keys as rows, and zeroes the rows that
  * see no key (those of sequences with fewer keys than rows, and the padding rows from query_start[num_seqs] to
- * num_rows). Returns how many sequences it left to the caller (more than max_q_len rows), or -1 when the head
- * layout is beyond this kernel (then it has done nothing). */
+ * num_rows). Returns how many sequences it left to the caller (more than max_q_len rows); or, having done
+ * nothing, -1 when the head layout is beyond this kernel and -2 when the metadata points outside the rows of q
+ * or past the caches' cache_rows. */
 int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_dim, const float *q, int64_t ldq, const float *k_cache,
+                                 int64_t head_dim, int64_t cache_rows, const float *q, int64_t ldq,
+                                 const float *k_cache,
                                  const float *v_cache, const int32_t *query_start, const int64_t *slab_offset,
                                  const int32_t *context_len, float scale, float *out, int64_t max_q_len) {
     int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads || head_dim % 8 || head_dim > MAX_HEAD_DIM)
         return -1;
     int64_t ldkv = num_kv_heads * head_dim, ldo = num_heads * head_dim;
+    if (query_start[0] < 0 || query_start[num_seqs] > num_rows) return -2;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        int64_t rows = query_start[s + 1] - query_start[s];
+        if (rows < 0) return -2;
+        if (rows >= 1 && context_len[s] >= rows
+            && (slab_offset[s] < 0 || slab_offset[s] + context_len[s] > cache_rows))
+            return -2;
+    }
     int left = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         int64_t rows = query_start[s + 1] - query_start[s];
@@ -320,4 +330,101 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
         }
     }
     return left;
+}
+
+/* ------------------------------------------------------------------------------------------------ elementwise
+ *
+ * The small ops of a step, each one pass over its rows (threaded when there are enough of them), with the
+ * references' numerics in fp32: RMSNorm's statistic summed in fp32 and applied as x * (1 / sqrt(mean + eps)) *
+ * weight; SiLU as g / (1 + exp(-g)); RoPE in the neox "rotate_half" form. Row strides are in floats. */
+
+#define ROWS_PER_THREAD 4
+
+void slabserve_rms_norm_f32(int64_t T, int64_t N, const float *x, int64_t ldx, const float *w, float eps,
+                            float *out, int64_t ldo) {
+    #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * ldx;
+        float *o = out + t * ldo;
+        __m256 sq = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= N; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            sq = _mm256_fmadd_ps(v, v, sq);
+        }
+        float sum = hsum256(sq);
+        for (; i < N; i++) sum += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(sum / (float)N + eps);
+        __m256 vinv = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= N; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv),
+                                                  _mm256_loadu_ps(w + i)));
+        for (; i < N; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+void slabserve_silu_mul_f32(int64_t T, int64_t I, const float *gate_up, int64_t ldg, float *out, int64_t ldo) {
+    #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * ldg, *u = g + I;
+        float *o = out + t * ldo;
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotate `heads` heads of D values in each of T rows (row stride ld) in place, row t at positions[t]. */
+static void rotate_rows(int64_t T, int64_t heads, int64_t D, float *x, int64_t ld, const int64_t *positions,
+                        const float *cos_sin) {
+    int64_t half = D / 2;
+    #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_sin + positions[t] * D, *s = c + half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * ld + h * D, *x2 = x1 + half;
+            int64_t i = 0;
+            for (; i + 8 <= half; i += 8) {
+                __m256 a = _mm256_loadu_ps(x1 + i), b = _mm256_loadu_ps(x2 + i);
+                __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+                _mm256_storeu_ps(x1 + i, _mm256_fnmadd_ps(b, sv, _mm256_mul_ps(a, cv)));
+                _mm256_storeu_ps(x2 + i, _mm256_fmadd_ps(a, sv, _mm256_mul_ps(b, cv)));
+            }
+            for (; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 (having done nothing) when a position lies outside the table's num_positions rows. */
+int slabserve_rope_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, float *q, int64_t ldq, float *k, int64_t ldk,
+                       const int64_t *positions, const float *cos_sin, int64_t num_positions) {
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
+    rotate_rows(T, H, D, q, ldq, positions, cos_sin);
+    rotate_rows(T, Hkv, D, k, ldk, positions, cos_sin);
+    return 0;
+}
+
+/* Row t of k and v (`width` floats each) into cache row slot_mapping[t]; a negative slot (-1: padding) skips the
+ * row. Returns 0, or -1 (having written nothing) when a slot lies past the caches' num_slots rows. */
+int slabserve_kv_write_f32(int64_t T, int64_t width, const float *k, int64_t ldk, const float *v, int64_t ldv,
+                           float *k_cache, float *v_cache, const int64_t *slot_mapping, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slot_mapping[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * width, k + t * ldk, width * sizeof(float));
+        memcpy(v_cache + slot * width, v + t * ldv, width * sizeof(float));
+    }
+    return 0;
 }

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch  # first: the library's OpenMP calls bind to the runtime torch loaded (one thread pool)
 
+from kernels import contracts, reference
 from kernels.contracts import PANEL, check_linear, panel_shape
 from kernels.reference import prepare_slab_prefill_attention
 
@@ -39,6 +40,16 @@ _LIBS = ("-lm",)
 ATTENTION_MAX_ROWS = 16
 
 _state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there is none (filled once)
+
+_I, _P, _F, _RC = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {  # C function -> (return type, argument types), as declared in cpu_native.c
+    "slabserve_linear_f32": (None, [_I, _I, _I, _P, _I, _P, _P, _I, _P, _I]),
+    "slabserve_slab_attention_f32": (_RC, [_I, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _F, _P, _I]),
+    "slabserve_rms_norm_f32": (None, [_I, _I, _P, _I, _P, _F, _P, _I]),
+    "slabserve_silu_mul_f32": (None, [_I, _I, _P, _I, _P, _I]),
+    "slabserve_rope_f32": (_RC, [_I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I]),
+    "slabserve_kv_write_f32": (_RC, [_I, _I, _P, _I, _P, _I, _P, _P, _P, _I]),
+}
 
 
 def _cache_dir() -> Path:
@@ -92,18 +103,21 @@ def _load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(build()))
         if not lib.slabserve_cpu_supported():
             raise RuntimeError("this CPU lacks AVX2 or FMA, which the native CPU kernels need")
-        f = lib.slabserve_linear_f32
-        f.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-        f.restype = None
-        a = lib.slabserve_slab_attention_f32
-        a.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5
-                      + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64])
-        a.restype = ctypes.c_int
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
         _state["lib"] = lib
     except (OSError, RuntimeError) as exc:
         _state["error"] = str(exc)
     return _state.get("lib")  # type: ignore[return-value]
+
+
+def _bind(tensors: tuple, fn: Callable, *args) -> Callable:
+    """fn(*args) as an argument-free call. `args` hold raw data pointers, so the call keeps `tensors` alive: a
+    prepared op never writes into memory that was freed and reused after its tensors went away."""
+    call = partial(fn, *args)
+    call.tensors = tensors  # type: ignore[attr-defined]
+    return call
 
 
 def available() -> bool:
@@ -148,9 +162,10 @@ def prepare_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     if x.device.type != "cpu":
         raise ValueError("linear: the native kernel takes CPU tensors only")
     m, k = x.shape
-    return partial(lib.slabserve_linear_f32, m, out.shape[1], k, x.data_ptr(), x.stride(0), w.data_ptr(),
-                   out.data_ptr(), out.stride(0), residual.data_ptr() if residual is not None else None,
-                   residual.stride(0) if residual is not None else 0)
+    return _bind((x, w, out, residual), lib.slabserve_linear_f32, m, out.shape[1], k, x.data_ptr(), x.stride(0),
+                 w.data_ptr(), out.data_ptr(), out.stride(0),
+                 residual.data_ptr() if residual is not None else None,
+                 residual.stride(0) if residual is not None else 0)
 
 
 def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
@@ -169,9 +184,8 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            workspace: torch.Tensor | None = None) -> Callable[[], None]:
     """slabserve::slab_attention on CPU (semantics: kernels.reference): sequences of up to ATTENTION_MAX_ROWS
     query rows (and the zeroing of rows that see no key) through the native kernel, and only when a step has
-    longer prefill chunks, those through the reference. Without
-    the native kernels, or for a layout it does not take (fp16/bf16, head_dim not a multiple of 8), the
-    reference does all of it."""
+    longer prefill chunks, those through the reference. Without the native kernels, or for a layout it does not
+    take (fp16/bf16, head_dim not a multiple of 8), the reference does all of it."""
     native = _load() is not None and q.dtype == torch.float32 and _attention_layout_ok(q, k_cache)
     if not native:
         return prepare_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
@@ -180,13 +194,18 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                           workspace, done_below=ATTENTION_MAX_ROWS)
     num_heads, head_dim = q.shape[1], q.shape[2]
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
-    short = partial(lib.slabserve_slab_attention_f32, q.shape[0], slab_offset.shape[0], num_heads,
-                    k_cache.shape[1], head_dim, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                    query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(),
-                    ATTENTION_MAX_ROWS)
+    short = _bind((q, k_cache, v_cache, query_start, slab_offset, context_len, out),
+                  lib.slabserve_slab_attention_f32, q.shape[0], slab_offset.shape[0], num_heads, k_cache.shape[1],
+                  head_dim, k_cache.shape[0], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                  query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(),
+                  ATTENTION_MAX_ROWS)
 
     def run() -> None:
-        if short():  # sequences longer than ATTENTION_MAX_ROWS are left: the reference's GEMMs take them
+        left = short()
+        if left < 0:
+            raise ValueError(f"slab_attention: query_start, slab_offset or context_len point outside the "
+                             f"{q.shape[0]} rows of q or past the caches' {k_cache.shape[0]} rows")
+        if left:  # sequences longer than ATTENTION_MAX_ROWS are left: the reference's GEMMs take them
             rest()
 
     return run
@@ -197,8 +216,75 @@ def _attention_layout_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     query heads per kv head (kernels/cpu_native.c)."""
     _, num_heads, head_dim = q.shape
     group = num_heads // max(k_cache.shape[1], 1)
-    return (q.stride(2) == 1 and q.stride(1) == head_dim and head_dim % 8 == 0 and head_dim <= 256
-            and 1 <= group <= 16)
+    return _heads_packed(q) and head_dim % 8 == 0 and head_dim <= 256 and 1 <= group <= 16
+
+
+def _heads_packed(x: torch.Tensor) -> bool:
+    """(T, heads, D) with each row's heads back to back: one run of heads * D floats per row."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _native_f32(*tensors: torch.Tensor) -> bool:
+    return _load() is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------------- small ops
+# Each falls back to the reference's prepare (same contract checks, same semantics) for what the native kernel
+# does not take: other dtypes, other layouts, or no library.
+
+
+def prepare_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                     workspace: torch.Tensor | None = None) -> Callable[[], None]:
+    if not _native_f32(x, weight, out):
+        return reference.prepare_rms_norm(x, weight, eps, out, workspace)
+    contracts.check_rms_norm(x, weight, out)
+    lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
+    return _bind((x, weight, out), lib.slabserve_rms_norm_f32, x.shape[0], x.shape[1], x.data_ptr(), x.stride(0),
+                 weight.data_ptr(), eps, out.data_ptr(), out.stride(0))
+
+
+def prepare_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    if not _native_f32(gate_up, out):
+        return reference.prepare_silu_mul(gate_up, out)
+    contracts.check_silu_mul(gate_up, out)
+    lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
+    return _bind((gate_up, out), lib.slabserve_silu_mul_f32, out.shape[0], out.shape[1], gate_up.data_ptr(),
+                 gate_up.stride(0), out.data_ptr(), out.stride(0))
+
+
+def prepare_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 workspace: torch.Tensor | None = None) -> Callable[[], None]:
+    if not (_native_f32(q, k, cos_sin) and _heads_packed(q) and _heads_packed(k) and positions.stride(0) == 1):
+        return reference.prepare_rope(q, k, positions, cos_sin, workspace)
+    contracts.check_rope(q, k, positions, cos_sin)
+    lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
+    call = _bind((q, k, positions, cos_sin), lib.slabserve_rope_f32, q.shape[0], q.shape[1], k.shape[1],
+                 q.shape[2], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+                 cos_sin.data_ptr(), cos_sin.shape[0])
+
+    def run() -> None:
+        if call():
+            raise ValueError(f"rope: a position lies outside the rope table's {cos_sin.shape[0]} rows")
+
+    return run
+
+
+def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> Callable[[], None]:
+    if not (_native_f32(k, v, k_cache, v_cache) and _heads_packed(k) and _heads_packed(v)
+            and slot_mapping.stride(0) == 1):
+        return reference.prepare_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    contracts.check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
+    call = _bind((k, v, k_cache, v_cache, slot_mapping), lib.slabserve_kv_write_f32, k.shape[0],
+                 k.shape[1] * k.shape[2], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                 v_cache.data_ptr(), slot_mapping.data_ptr(), k_cache.shape[0])
+
+    def run() -> None:
+        if call():
+            raise ValueError(f"kv_write: a slot lies past the caches' {k_cache.shape[0]} rows")
+
+    return run
 
 
 def status() -> str:

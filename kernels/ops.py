@@ -2,8 +2,8 @@
 
 Each op mutates its output arguments (`out`, q/k for rope, the caches for kv_write) and returns nothing, so
 `torch.export` keeps it as one opaque node and the memory planner sees exactly which buffers it writes.
-Dispatch is by device: CPU tensors run the PyTorch references (`kernels.reference`), CUDA tensors the Triton
-wrappers; the fake implementations validate the contract (`kernels.contracts`) on metadata alone.
+Dispatch is by device: CPU tensors run the native CPU kernels (`kernels.cpu_native`: fp32, where this machine
+can build them) and otherwise the PyTorch references (`kernels.reference`), CUDA tensors the Triton wrappers; the fake implementations validate the contract (`kernels.contracts`) on metadata alone.
 
 Importing this module registers the ops and loads neither Triton nor CUDA: the Triton modules are imported on
 the first CUDA call (during warm-up, before any graph capture).
@@ -17,7 +17,8 @@ the first CUDA call (during warm-up, before any graph capture).
   slabserve::linear(x, w, out, residual)       CPU only: w packed as column panels (kernels.cpu_native)
 
 `CPU_PREPARE` maps each op's name to the function the planned executor uses to bind it once on CPU (checks and
-views at bind time, only arithmetic per step): the references' `prepare_*`, and the native linear.
+views at bind time, only arithmetic per step); the op's own CPU kernel runs the same function, so the eager and the
+planned paths agree bit for bit.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _LIB = "slabserve"
 
 @torch.library.custom_op(f"{_LIB}::rms_norm", mutates_args=("out", "workspace"), device_types="cpu")
 def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
-    reference.rms_norm_ref(x, weight, eps, out, workspace)
+    cpu_native.prepare_rms_norm(x, weight, eps, out, workspace)()
 
 
 @_rms_norm_op.register_kernel("cuda")
@@ -54,7 +55,7 @@ def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace
 
 @torch.library.custom_op(f"{_LIB}::rope", mutates_args=("q", "k", "workspace"), device_types="cpu")
 def _rope_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspace: Optional[Tensor] = None) -> None:
-    reference.rope_ref(q, k, positions, cos_sin, workspace)
+    cpu_native.prepare_rope(q, k, positions, cos_sin, workspace)()
 
 
 @_rope_op.register_kernel("cuda")
@@ -72,7 +73,7 @@ def _rope_fake(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspa
 
 @torch.library.custom_op(f"{_LIB}::silu_mul", mutates_args=("out",), device_types="cpu")
 def _silu_mul_op(gate_up: Tensor, out: Tensor) -> None:
-    reference.silu_mul_ref(gate_up, out)
+    cpu_native.prepare_silu_mul(gate_up, out)()
 
 
 @_silu_mul_op.register_kernel("cuda")
@@ -90,7 +91,7 @@ def _silu_mul_fake(gate_up: Tensor, out: Tensor) -> None:
 
 @torch.library.custom_op(f"{_LIB}::kv_write", mutates_args=("k_cache", "v_cache"), device_types="cpu")
 def _kv_write_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    reference.kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
+    cpu_native.prepare_kv_write(k, v, k_cache, v_cache, slot_mapping)()
 
 
 @_kv_write_op.register_kernel("cuda")
@@ -164,8 +165,9 @@ def _linear_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] =
     contracts.check_linear(x, w, out, residual)
 
 
-CPU_PREPARE = {**reference.PREPARE, "linear": cpu_native.prepare_linear,
-               "slab_attention": cpu_native.prepare_slab_attention}
+CPU_PREPARE = {"rms_norm": cpu_native.prepare_rms_norm, "rope": cpu_native.prepare_rope,
+               "silu_mul": cpu_native.prepare_silu_mul, "kv_write": cpu_native.prepare_kv_write,
+               "slab_attention": cpu_native.prepare_slab_attention, "linear": cpu_native.prepare_linear}
 
 
 # --- the functions models call ----------------------------------------------------------------------------

@@ -441,12 +441,3 @@ def slab_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _attend_slab(q[s:s + 1], k_cache[slab], v_cache[slab], scale, out[s:s + 1], scratch)
     return out
 
-
-# The ops the planned executor prepares once per bound step on CPU (`torch.ops.slabserve.<name>` -> prepare).
-PREPARE = {
-    "rms_norm": prepare_rms_norm,
-    "rope": prepare_rope,
-    "silu_mul": prepare_silu_mul,
-    "kv_write": prepare_kv_write,
-    "slab_attention": prepare_slab_prefill_attention,
-}

@@ -129,8 +129,8 @@ def test_native_attention_takes_rows_up_to_its_limit_and_leaves_the_rest():
     context_len = torch.tensor([30, limit + 3, limit + 9], dtype=torch.int32)
     out = torch.full_like(q, 7.0)
     lib = cpu_native._state["lib"]
-    left = lib.slabserve_slab_attention_f32(rows, 3, q.shape[1], k_cache.shape[1], q.shape[2], q.data_ptr(),
-                                            q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+    left = lib.slabserve_slab_attention_f32(rows, 3, q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[0],
+                                            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                             query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(),
                                             scale, out.data_ptr(), limit)
     assert left == 1
@@ -140,6 +140,64 @@ def test_native_attention_takes_rows_up_to_its_limit_and_leaves_the_rest():
     assert (out[1 + limit :] == 7.0).all(), "the sequence over the limit is the reference's to attend"
 
 
+# ---------------------------------------------------------------------------------------------------- small ops
+
+
+def _qkv(rows: int, heads: int, kv_heads: int, head_dim: int, seed: int):
+    """q, k, v as the model makes them: views of one fused (T, (H + 2 Hkv) D) row each."""
+    qkv = _randn(rows, (heads + 2 * kv_heads) * head_dim, seed=seed)
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+    return qkv, q, k, v
+
+
+@needs_native
+@pytest.mark.parametrize("rows, width", [(1, 576), (9, 64), (3, 13)])
+def test_native_rms_norm_and_silu_mul_match_references(rows, width):
+    x, weight = _randn(rows, width + 5, seed=1)[:, 2 : width + 2], torch.rand(width) + 0.5  # strided rows
+    got, want = torch.empty(rows, width), torch.empty(rows, width)
+    cpu_native.prepare_rms_norm(x, weight, 1e-5, got)()
+    torch.testing.assert_close(got, reference.rms_norm_ref(x, weight, 1e-5, want), rtol=1e-6, atol=1e-6)
+    gate_up = _randn(rows, 2 * width, seed=2) * 4
+    cpu_native.prepare_silu_mul(gate_up, got)()
+    torch.testing.assert_close(got, reference.silu_mul_ref(gate_up, want), rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("rows, heads, kv_heads, head_dim", [(1, 9, 3, 64), (10, 4, 2, 16), (3, 2, 1, 6)])
+def test_native_rope_and_kv_write_match_references(rows, heads, kv_heads, head_dim):
+    cos_sin, positions = _randn(50, head_dim, seed=3), torch.randint(0, 50, (rows,))
+    ours, q, k, v = _qkv(rows, heads, kv_heads, head_dim, seed=4)
+    theirs, q2, k2, v2 = _qkv(rows, heads, kv_heads, head_dim, seed=4)
+    cpu_native.prepare_rope(q, k, positions, cos_sin)()
+    reference.rope_ref(q2, k2, positions, cos_sin)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    slots = torch.tensor([(7 * t) % 40 if t % 3 else -1 for t in range(rows)])
+    caches = [torch.full((40, kv_heads, head_dim), 7.0) for _ in range(4)]
+    cpu_native.prepare_kv_write(k, v, caches[0], caches[1], slots)()
+    reference.kv_write_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@needs_native
+def test_native_ops_refuse_metadata_outside_their_buffers_and_write_nothing():
+    _, q, k, v = _qkv(4, 4, 2, 8, seed=5)
+    before = k.clone()
+    with pytest.raises(ValueError, match="rope: a position lies outside the rope table's 10 rows"):
+        cpu_native.prepare_rope(q, k, torch.tensor([0, 1, 10, 2]), torch.randn(10, 8))()
+    assert torch.equal(k, before)
+    caches = torch.zeros(6, 2, 8), torch.zeros(6, 2, 8)
+    with pytest.raises(ValueError, match="kv_write: a slot lies past the caches' 6 rows"):
+        cpu_native.prepare_kv_write(k, v, *caches, torch.tensor([0, 1, 6, -1]))()
+    assert not caches[0].any() and not caches[1].any()
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError, match="slab_attention: query_start, slab_offset or context_len point outside"):
+        cpu_native.prepare_slab_attention(q, *caches, torch.tensor([0, 1, 2], dtype=torch.int32),
+                                          torch.tensor([0, 3]), torch.tensor([1, 5], dtype=torch.int32), 0.3, out)()
+    assert (out == 7.0).all()
+
+
 # ---------------------------------------------------------------------------------------------------- plumbing
 
 
@@ -147,10 +205,15 @@ def test_native_attention_takes_rows_up_to_its_limit_and_leaves_the_rest():
 def test_native_kernels_allocate_nothing():
     x, panels, out, res = torch.randn(8, 64), cpu_native.pack_panels(torch.randn(64, 40)), torch.empty(8, 40), \
         torch.randn(8, 40)
-    linear = cpu_native.prepare_linear(x, panels, out, res)
     (q, k, v, qs, so, cl, scale), workspace = _attention_case(3)
-    attention = cpu_native.prepare_slab_attention(q, k, v, qs, so, cl, scale, torch.empty_like(q), workspace)
-    assert allocations(lambda: (linear(), attention()), steps=5) == []
+    _, q2, k2, v2 = _qkv(8, 4, 2, 16, seed=6)
+    runs = [cpu_native.prepare_linear(x, panels, out, res),
+            cpu_native.prepare_slab_attention(q, k, v, qs, so, cl, scale, torch.empty_like(q), workspace),
+            cpu_native.prepare_rms_norm(x, torch.rand(64), 1e-6, torch.empty(8, 64)),
+            cpu_native.prepare_silu_mul(x, torch.empty(8, 32)),
+            cpu_native.prepare_rope(q2, k2, torch.arange(8), torch.randn(8, 16)),
+            cpu_native.prepare_kv_write(k2, v2, torch.zeros(9, 2, 16), torch.zeros(9, 2, 16), torch.arange(8))]
+    assert allocations(lambda: [run() for run in runs], steps=5) == []
 
 
 def test_without_the_library_linear_refuses_to_bind_and_attention_runs_the_reference(monkeypatch):
