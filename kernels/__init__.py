@@ -1,10 +1,12 @@
-"""slabserve kernels: Triton kernels for the model step, each beside a PyTorch reference with the same signature.
+"""slabserve kernels: Triton kernels for the model step, each beside a PyTorch reference with the same signature,
+and native CPU kernels in C for the fp32 CPU path (`kernels.cpu_native`, built on first use).
 
 Imports nothing of the project's other packages. Three names per op:
 
   rms_norm / rope / silu_mul / kv_write / slab_prefill_attention / slab_decode_attention
-      dispatching functions over the `torch.ops.slabserve.*` custom ops (CPU: reference, CUDA: Triton)
-  <op>_ref      the PyTorch reference (the CPU serving path)
+      dispatching functions over the `torch.ops.slabserve.*` custom ops (CPU: native where it runs, else the
+      reference; CUDA: Triton); `linear` (CPU, panel-packed weights) is in `kernels.ops`
+  <op>_ref      the PyTorch reference (the ground truth, and the CPU path where the native kernels do not run)
   <op>_triton   the Triton wrapper (asserts the contract, then launches)
 
 Importing `kernels` is cheap and needs no GPU: the `*_triton` names load Triton on first access.

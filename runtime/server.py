@@ -959,7 +959,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.start()
     log.info(json.dumps({"event": "listening", "address": server.address, "metrics_port": args.metrics_port}))
     server.warm_up()
-    log.info(json.dumps({"event": "serving", "address": server.address,
+    log.info(json.dumps({"event": "serving", "address": server.address, "gemm": engine.gemm,
                          "startup_s": round(_seconds_since_process_start(), 2)}))
     while not stop.wait(0.5):
         if server.loop.failure is not None:
