@@ -65,7 +65,7 @@ from runtime.units import format_bytes, parse_bytes
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 DEVICES = ("cpu", "cuda")
 WEIGHTS_MODES = ("load", "none")
-GEMM_CHOICES = ("auto", "aten", "native")  # runtime.model.GEMMS, or auto
+GEMM_CHOICES = ("auto", "aten", "native")  # runtime.plan.GEMMS, or auto
 # Device memory as `nvidia-smi --query-gpu=memory.total` reports it (MiB), in bytes. The CUDA context and the
 # driver's own reservations come out of it: that is what `target.reserve` is for.
 GPUS: dict[str, int] = {
@@ -174,7 +174,7 @@ class Spec:
     kv: KVSpec
     queue_limit: int = DEFAULT_QUEUE_LIMIT  # waiting requests per slab class
     max_queue_delay_ms: int | None = None   # admission by latency; None: off
-    gemm: str = "auto"                      # "auto", "aten" or "native" (runtime.model.GEMMS)
+    gemm: str = "auto"                      # "auto", "aten" or "native" (runtime.plan.GEMMS)
     source: str = field(default="<spec>", compare=False)  # where the spec came from, for messages only
 
     @property

@@ -6,6 +6,9 @@ OpenMP; `unavailable_reason()` says what is missing). `pack_panels(w)` turns a (
 the native linear reads, (ceil(N / 16), K, 16); `unpack_panels` undoes it. `prepare_linear(x, w, out, residual)`
 checks the call once and returns a `run()` that computes `out = x @ W (+ residual)` into `out` with no Python work
 beyond one foreign call, for the planned executor to call every step; `linear_native` is the one-shot form.
+`prepare_slab_attention`, `prepare_rms_norm`, `prepare_silu_mul`, `prepare_rope` and `prepare_kv_write` do the
+same for the other ops, with the references' signatures and semantics, and hand back the reference's own prepared
+call for what the native kernels do not take (other dtypes or layouts, or no library).
 
 The library is compiled from the source beside this file into a cache folder keyed by the source's hash
 (`$SLABSERVE_KERNEL_CACHE`, else `~/.cache/slabserve/kernels`), written to a temporary name and renamed into
@@ -29,14 +32,13 @@ import torch  # first: the library's OpenMP calls bind to the runtime torch load
 
 from kernels import contracts, reference
 from kernels.contracts import PANEL, check_linear, panel_shape
-from kernels.reference import prepare_slab_prefill_attention
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 _LIBS = ("-lm",)
-# Sequences of up to this many query rows are attended by the native kernel (a row at a time, K and V streamed
-# past each query row's heads); longer prefill chunks by the reference's GEMMs, which reuse each K/V row across
-# all the chunk's rows.
+# Sequences of up to this many query rows are attended by the native kernel (a query row at a time, so each row
+# reads its keys again); longer prefill chunks by the reference's GEMMs, which reuse each K/V row across all the
+# chunk's rows.
 ATTENTION_MAX_ROWS = 16
 
 _state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there is none (filled once)
@@ -186,12 +188,10 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     query rows (and the zeroing of rows that see no key) through the native kernel, and only when a step has
     longer prefill chunks, those through the reference. Without the native kernels, or for a layout it does not
     take (fp16/bf16, head_dim not a multiple of 8), the reference does all of it."""
-    native = _load() is not None and q.dtype == torch.float32 and _attention_layout_ok(q, k_cache)
-    if not native:
-        return prepare_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
-                                              workspace)
-    rest = prepare_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out,
-                                          workspace, done_below=ATTENTION_MAX_ROWS)
+    args = (q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out, workspace)
+    if not (_native_f32(q, k_cache, v_cache) and _attention_layout_ok(q, k_cache)):
+        return reference.prepare_slab_prefill_attention(*args)
+    rest = reference.prepare_slab_prefill_attention(*args, done_below=ATTENTION_MAX_ROWS)
     num_heads, head_dim = q.shape[1], q.shape[2]
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
     short = _bind((q, k_cache, v_cache, query_start, slab_offset, context_len, out),

@@ -3,7 +3,8 @@
 Each op mutates its output arguments (`out`, q/k for rope, the caches for kv_write) and returns nothing, so
 `torch.export` keeps it as one opaque node and the memory planner sees exactly which buffers it writes.
 Dispatch is by device: CPU tensors run the native CPU kernels (`kernels.cpu_native`: fp32, where this machine
-can build them) and otherwise the PyTorch references (`kernels.reference`), CUDA tensors the Triton wrappers; the fake implementations validate the contract (`kernels.contracts`) on metadata alone.
+can build them) and otherwise the PyTorch references (`kernels.reference`), CUDA tensors the Triton wrappers;
+the fake implementations validate the contract (`kernels.contracts`) on metadata alone.
 
 Importing this module registers the ops and loads neither Triton nor CUDA: the Triton modules are imported on
 the first CUDA call (during warm-up, before any graph capture).

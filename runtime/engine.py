@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_native
 from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                               check_no_allocations, plan_sequential)
 from runtime.loader import GGUFSource, WeightSource, open_model
 from runtime.graph_io import GRAPHS_FILE, read_programs
 from runtime.plan import config_fingerprint, read_plan_and_id
-from kernels import cpu_native
 from runtime.model import DTYPE_NAMES, build_step, default_gemm, weight_layout
 from runtime.sampler import Sampler, SamplingParams, make_generator
 from runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
@@ -123,6 +123,7 @@ class Engine:
             raise ValueError(f"slab class of {max_slab} tokens exceeds the model's context of {c.context_limit}: "
                              f"lower it by {max_slab - c.context_limit}")
         self.gemm = config.gemm or default_gemm("cpu", self.dtype)
+        _check_gemm_runs_here(self.gemm)
         self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, gemm=self.gemm)  # one weight arena
         rows = sum(k.tokens * k.count for k in config.classes)
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
@@ -164,7 +165,6 @@ class Engine:
         source = open_model(_plan_model_path(plan))
         _check_fingerprints(plan, source, Path(directory))
         _check_weight_layout(plan, source)
-        _check_gemm_runs_here(plan.engine.gemm)
         config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
                               plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms,
@@ -475,7 +475,7 @@ def _tokenizer_for(source: WeightSource) -> Tokenizer:
 
 
 def _check_gemm_runs_here(gemm: str) -> None:
-    """A plan with the native CPU matmul needs the kernel on this machine (runtime.model.default_gemm)."""
+    """The native CPU matmul (a plan's engine.gemm, or EngineConfig.gemm) needs the kernel on this machine."""
     if gemm == "native" and not cpu_native.available():
         raise PlanMismatchError(f"the plan multiplies with the native CPU kernel (engine.gemm: native), which cannot "
                                 f"run here: {cpu_native.unavailable_reason()}; rebuild the plan on this machine "

@@ -7,8 +7,9 @@ returns the logits of the rows named by `logits_indices`. Shapes never depend on
 traced once per bucket and replayed.
 
 Covers Llama 2/3 (with Llama 3 rope scaling), SmolLM2/TinyLlama (tied embeddings), Mistral, Qwen2 (q/k/v bias),
-GQA and MHA. The heavy ops go through `torch.ops.slabserve.*` (kernels/ops.py): PyTorch references on CPU,
-Triton on CUDA. The model never allocates KV memory: the caches are arguments, owned by the runtime's arenas.
+GQA and MHA. The heavy ops go through `torch.ops.slabserve.*` (kernels/ops.py): native C kernels on CPU (fp32;
+PyTorch references where those cannot run), Triton on CUDA. The model never allocates KV memory: the caches are
+arguments, owned by the runtime's arenas.
 
 Weight layout and matmul path (`gemm`, chosen by the plan): q/k/v are fused into one matrix and gate/up into
 another, and every projection is stored for one of two matmul paths:
