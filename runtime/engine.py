@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (
 class Engine:
     def __init__(self, config: EngineConfig, source: WeightSource | None = None,
                  activation_plan: ActivationPlan | None = None, graph_fingerprints: Mapping[int, str] | None = None,
-                 graphs_dir: Path | None = None):
+                 graphs_dir: Path | None = None, warm_up: bool = True):
         """`activation_plan`: the plan bundle's activation layout; without one every intermediate gets its own
         bytes (`runtime.executor.plan_sequential`). `graph_fingerprints`: the plan's fingerprint of each bucket's
         traced step, checked against this process's trace (or the stored graphs of `graphs_dir`, read instead of
@@ -150,14 +151,16 @@ class Engine:
         self._backlog: list[GenerationEvent] = []  # events `generate`/`stream` saw for requests they don't own
         self._seed_source = random.Random()
         self.plan_id = ""  # sha256 of the bundle's plan.msgpack when built by from_plan
-        self._warm_up()
+        self.warmed_on: int | None = None  # thread ident of the last warm-up; step() refuses to run before one
+        if warm_up:
+            self.warm_up()
 
     @classmethod
-    def from_plan(cls, directory: str | Path) -> "Engine":
+    def from_plan(cls, directory: str | Path, warm_up: bool = True) -> "Engine":
         """The engine a plan bundle describes, after checking the bundle against this machine: the model's config
         and weight contents, the torch/triton versions and the device must be the ones the plan was built for
         (PlanMismatchError names which differs and how to rebuild); the KV and activation arenas are allocated at
-        exactly the planned sizes."""
+        exactly the planned sizes. `warm_up`: as for the constructor."""
         plan, plan_id = read_plan_and_id(directory)
         if not plan.servable:
             raise PlanMismatchError(f"{directory}: plan {plan.name!r} was built without weights (weights: none), for "
@@ -172,7 +175,7 @@ class Engine:
         fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
         graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
-                     fingerprints, graphs)
+                     fingerprints, graphs, warm_up=warm_up)
         engine.plan_id = plan_id
         return engine
 
@@ -231,6 +234,8 @@ class Engine:
 
     def step(self) -> list[GenerationEvent]:
         """Run one engine step; return the events it produced (cancellations first)."""
+        if self.warmed_on is None:
+            raise RuntimeError("the engine has not run its warm-up: call warm_up() on the thread that steps it")
         events = self._backlog + [self._final(rid, FinishReason.CANCELLED, ()) for rid in self._cancelled]
         self._backlog, self._cancelled = [], []
         scheduled = self.scheduler.schedule()
@@ -279,14 +284,19 @@ class Engine:
                 picked[j].copy_(logits[i])
         return self.sampler.sample(picked, params, generators).tolist()
 
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """Run every bucket full of real tokens (first runs bind the graphs and initialize libraries), then again
         under the allocation check with greedy and random sampling; refuse to serve if anything allocates.
-        The warm-up writes K/V rows of free slabs only; a request's prefill overwrites them before it reads."""
+        The warm-up writes K/V rows of free slabs only; a request's prefill overwrites them before it reads.
+
+        In the first runs each bucket's first sequence attends over the longest slab, so what the libraries under
+        the step keep and size by the largest call they have seen (MKL's buffers for the reference attention's
+        GEMMs) is at its high-water mark before serving, not the first time a long prompt arrives. Those are kept
+        per thread, as is OpenMP's thread team: call this on the thread that steps the engine (runtime.server
+        does). The checked runs start every sequence at position 0, like most steps, and their times seed
+        admission by latency."""
         params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
         generators = [make_generator(0), make_generator(1)]
-        for bucket, inputs in self.inputs.items():
-            inputs.fill(self._warm_up_chunks(bucket))
         seconds: dict[int, float] = {}
 
         def every_bucket() -> None:
@@ -297,21 +307,35 @@ class Engine:
                 self._sample_rows(logits, rows, params[: len(rows)], generators[: len(rows)])
                 took = time.perf_counter() - started
                 seconds[bucket] = min(seconds.get(bucket, took), took)
-        every_bucket()
+
+        for longest_first in (True, False):
+            for bucket, inputs in self.inputs.items():
+                inputs.fill(self._warm_up_chunks(bucket, longest_first))
+            every_bucket()
+            if longest_first:
+                seconds.clear()  # a step over the longest context is not what a typical step costs
         check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up")
         self.scheduler.step_times.seed(seconds)  # admission by latency starts from these, then measures
+        self.warmed_on = threading.get_ident()
 
-    def _warm_up_chunks(self, bucket: int) -> list[SeqChunk]:
-        """`bucket` tokens spread over free slabs (at most max_seqs), each slab filled from position 0."""
-        chunks, left, offset = [], bucket, 0
+    def _warm_up_chunks(self, bucket: int, longest_first: bool = False) -> list[SeqChunk]:
+        """`bucket` tokens spread over free slabs (at most max_seqs), each filled from position 0; with
+        `longest_first` the first chunk ends on the last row of the longest slab (attention over the longest
+        context)."""
+        slabs, offset = [], 0  # (first row, rows) of every slab, in arena order
         for slab_class in self.config.classes:
             for _ in range(slab_class.count):
-                if left == 0 or len(chunks) == self.config.max_seqs:
-                    return chunks
-                n = min(left, slab_class.tokens)
-                chunks.append(SeqChunk(offset, 0, [0] * n, slab_class.tokens))
-                left -= n
+                slabs.append((offset, slab_class.tokens))
                 offset += slab_class.tokens
+        longest = max(range(len(slabs)), key=lambda i: slabs[i][1]) if longest_first else 0
+        chunks, left = [], bucket
+        for i in [longest] + [i for i in range(len(slabs)) if i != longest]:
+            if left == 0 or len(chunks) == self.config.max_seqs:
+                break
+            first_row, rows = slabs[i]
+            n = min(left, rows)
+            chunks.append(SeqChunk(first_row, rows - n if longest_first and i == longest else 0, [0] * n, rows))
+            left -= n
         return chunks
 
     def _token_event(self, request_id: str, token_id: int, finished: FinishReason | None) -> GenerationEvent:

@@ -1,7 +1,8 @@
 """The gRPC edge: slabserve.v1 (proto/slabserve/v1/serving.proto), grpc.health.v1 and reflection over one Engine.
 
-Contract: `create_server(engine, host, port, ...)` takes a ready `Engine` and returns a `SlabServer`; `start()`
-binds and answers at once with health NOT_SERVING, `warm_up()` runs a request through the engine and turns health
+Contract: `create_server(engine, host, port, ...)` takes an `Engine` and returns a `SlabServer`; `start()`
+binds and answers at once with health NOT_SERVING, `warm_up()` runs the engine's warm-up on the engine thread (the
+thread that will step it) unless it ran there already, then a request through the engine, and turns health
 SERVING, `drain(grace_s)` stops admission (UNAVAILABLE, health NOT_SERVING), lets running streams finish within the
 grace period, cancels what is left and stops. Protobuf is converted to the engine's dataclasses here and nowhere
 else (`_request_from_pb`, `_event_to_pb`), and `_status_for` is the one place exceptions become status codes.
@@ -54,6 +55,7 @@ from proto.slabserve.v1 import serving_pb2 as pb
 from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 from runtime.admission import AdmissionView, OverloadedError
 from runtime.engine import Engine, EngineConfig, GenerationEvent, StoppingOptions
+from runtime.executor import PlanViolationError
 from runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
 from runtime.metrics import Metrics
 from runtime.sampler import SamplingParams
@@ -788,13 +790,17 @@ class SlabServer:
             self._stop_metrics = self.metrics.serve(self.host, self._metrics_port)
 
     def warm_up(self, timeout: float = 300.0) -> None:
-        """Run one short request end to end (the Engine already ran every bucket under the allocation check when it
-        was built); if every slab comes back, turn health SERVING. The engine thread runs it, so nothing else
-        touches the engine meanwhile."""
+        """Run the engine's warm-up (every bucket under the allocation check; PlanViolationError if the plan is
+        violated) unless the engine thread ran it already, then one short request end to end; if every slab comes
+        back, turn health SERVING. The engine thread runs both, so nothing else touches the engine meanwhile, and
+        the per-thread pools under the step (MKL's buffers, OpenMP's team) reach their high-water mark on the
+        thread that serves (an engine warmed on another thread would grow them at its first long prompt)."""
         engine = self.loop.engine
         num_prompt = max(1, min(8, engine.scheduler.max_request_tokens - 2))
 
         def run() -> None:
+            if engine.warmed_on != threading.get_ident():
+                engine.warm_up()
             done = engine.generate([[1] * num_prompt], stopping=StoppingOptions(max_tokens=2, ignore_eos=True))
             if done[0].finish_reason is not FinishReason.LENGTH or len(done[0].token_ids) != 2:
                 raise RuntimeError(f"warm-up request ended with {done[0].finish_reason}")
@@ -905,13 +911,12 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
     if args.bundle is not None:
         from runtime.config import ModelLoadError
         from runtime.engine import PlanMismatchError
-        from runtime.executor import PlanViolationError
         from runtime.graph_io import GraphFormatError
         from runtime.plan import PlanFormatError, read_plan
 
         try:
             _check_memory(read_plan(args.bundle), args.memory_limit)  # before Engine.from_plan allocates anything
-            return Engine.from_plan(args.bundle)
+            return Engine.from_plan(args.bundle, warm_up=False)  # server.warm_up runs it on the engine thread
         except (PlanFormatError, PlanMismatchError, PlanViolationError, ModelLoadError, GraphFormatError,
                 InsufficientMemoryError) as err:
             raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
@@ -920,7 +925,7 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
         tokens, _, count = item.partition("x")
         classes.append(SlabClass(int(tokens), int(count)))
     return Engine(EngineConfig(args.model, tuple(classes), max_seqs=args.max_seqs, step_tokens=args.step_tokens,
-                               dtype=args.dtype, queue_limit=args.queue_limit))
+                               dtype=args.dtype, queue_limit=args.queue_limit), warm_up=False)
 
 
 def _check_memory(plan, limit_bytes: int | None) -> None:
@@ -958,7 +963,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                            limits=Limits(max_message_bytes=args.max_message_bytes), access=access)
     server.start()
     log.info(json.dumps({"event": "listening", "address": server.address, "metrics_port": args.metrics_port}))
-    server.warm_up()
+    try:
+        server.warm_up()
+    except PlanViolationError as err:
+        server.stop()
+        raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
     log.info(json.dumps({"event": "serving", "address": server.address, "gemm": engine.gemm,
                          "startup_s": round(_seconds_since_process_start(), 2)}))
     while not stop.wait(0.5):

@@ -139,6 +139,11 @@ def test_health_not_serving_before_warm_up_then_serving(served):
     assert _health(served.channel, SERVICE_NAME) == SERVING
 
 
+def test_warm_up_ran_on_the_engine_thread(served):
+    # built (and warmed) on this thread; the server warmed it again on the thread that steps it
+    assert served.engine.warmed_on == served.server.loop._thread.ident != threading.get_ident()
+
+
 def test_reflection_lists_the_services(served):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 

@@ -2,6 +2,9 @@
 checks its warm-up and refuses a violated plan. CUDA: graph replays leave the caching allocator's counters still."""
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -88,14 +91,41 @@ def engine():
 def test_engine_warm_up_passes_and_serves(engine):
     out = engine.generate(["Hello"], stopping=StoppingOptions(max_tokens=3, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
-    engine._warm_up()  # the same check again, after serving
+    engine.warm_up()  # the same check again, after serving
 
 
 def test_engine_refuses_when_serving_allocates(engine, monkeypatch):
     sample = Sampler.sample
     monkeypatch.setattr(Sampler, "sample", lambda self, logits, *a: sample(self, logits.clone(), *a))
     with pytest.raises(PlanViolationError, match="warm-up created .* tensor storages .*aten::clone"):
-        engine._warm_up()
+        engine.warm_up()
+
+
+def test_warm_up_attends_over_the_longest_slab():
+    # in the first warm-up runs, the first chunk of every bucket ends on the last row of the longest slab (rows
+    # 64..1087 here), so what the libraries under attention size by the context (MKL's buffers) is at its largest
+    # before serving; the checked runs start every chunk at position 0
+    config = EngineConfig("unused", (SlabClass(32, 2), SlabClass(1024, 1), SlabClass(96, 3)), max_seqs=4,
+                          step_tokens=64)
+    holder = SimpleNamespace(config=config)
+    for bucket, want in [(1, [(64, 1023, 1)]), (64, [(64, 960, 64)]),
+                         (1100, [(64, 0, 1024), (0, 0, 32), (32, 0, 32), (1088, 0, 12)])]:
+        chunks = Engine._warm_up_chunks(holder, bucket, longest_first=True)
+        assert [(c.slab_offset, c.start_pos, len(c.token_ids)) for c in chunks] == want
+        assert all(c.start_pos + len(c.token_ids) <= c.slab_tokens for c in chunks)
+    chunks = Engine._warm_up_chunks(holder, 100)
+    assert [(c.slab_offset, c.start_pos, len(c.token_ids)) for c in chunks] == [(0, 0, 32), (32, 0, 32), (64, 0, 36)]
+
+
+def test_engine_steps_only_after_a_warm_up():
+    cold = Engine(EngineConfig(str(smollm2_path()), (SlabClass(64, 1),), max_seqs=1, step_tokens=4, buckets=(1, 4)),
+                  warm_up=False)
+    cold.submit([1, 2, 3], stopping=StoppingOptions(max_tokens=1))
+    with pytest.raises(RuntimeError, match="has not run its warm-up"):
+        cold.step()
+    cold.warm_up()
+    assert cold.warmed_on == threading.get_ident()
+    assert len(cold.generate([[1, 2, 3]], stopping=StoppingOptions(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
 def test_engine_refuses_a_plan_that_does_not_fit():
