@@ -26,7 +26,8 @@ from tools._driver import DriveOptions, Target, run_schedule  # noqa: E402
 from tools._stats import percentile, summarize  # noqa: E402
 from tools._sweep import SweepPlan, step_figures, sweep  # noqa: E402
 from tools._target import TargetError, loopback_target  # noqa: E402
-from tools._workload import Arrival, WorkloadError, load_trace, mix_from_dict, poisson_schedule  # noqa: E402
+from tools._workload import (Arrival, WorkloadError, largest_of_each_class, load_trace, mix_from_dict,  # noqa: E402
+                             poisson_schedule)
 
 MiB = 1 << 20
 TINY_MIX = {"name": "tiny", "classes": [
@@ -263,6 +264,11 @@ def test_poisson_schedules_are_seeded_and_have_the_rate():
     assert 0.65 < share < 0.75
     assert all(8 <= x.prompt_tokens <= 40 and 2 <= x.output_tokens <= 8 for x in a if x.class_name == "completion")
     assert len(poisson_schedule(mix, 50, 7, num_requests=123)) == 123
+
+
+def test_a_soak_warm_up_opens_with_the_largest_request_of_each_class():
+    got = largest_of_each_class(mix_from_dict(TINY_MIX), gap_s=0.5)
+    assert got == (Arrival(0.0, "analysis", 180, 12), Arrival(0.5, "completion", 40, 8))
 
 
 def test_traces_are_read_from_csv_and_json_lines(tmp_path):

@@ -159,6 +159,14 @@ def poisson_schedule(mix: Mix, rate: float, seed: int, *, duration_s: float | No
     return tuple(arrivals)
 
 
+def largest_of_each_class(mix: Mix, gap_s: float = 1.0) -> tuple[Arrival, ...]:
+    """One request of each class at its longest prompt and output, the longest first, `gap_s` apart from 0: a
+    warm-up that opens with these has made the server handle the largest request the mix can send (the first
+    such request sizes buffers that stay: the tokenizer's, gRPC's, the step's), whatever its Poisson draw gives."""
+    ordered = sorted(mix.classes, key=lambda c: -c.max_request_tokens)
+    return tuple(Arrival(i * gap_s, c.name, c.prompt[1], c.output[1]) for i, c in enumerate(ordered))
+
+
 def load_trace(path: str | Path, mix: Mix, seed: int) -> tuple[Arrival, ...]:
     """Arrivals from a CSV (with a header) or JSON-lines file; lengths absent from a row are drawn from its class."""
     path = Path(path)

@@ -1,8 +1,9 @@
 """Soak and overload tests of a slabserve server, judged against the project's promise.
 
 Starts `slabserve serve BUNDLE` on a free loopback port (or attaches to a running server with --addr), waits for
-health SERVING, warms it up with --warmup seconds of load, lets it go idle and takes its resident memory as the
-baseline, runs the open-loop load generator (tools/loadgen.py) for --lead-in seconds (not judged: the server
+health SERVING, warms it up with --warmup seconds of load (opening with one request of each class at its longest
+prompt and output, so the baseline comes after the largest request the mix sends), lets it go idle and takes its
+resident memory as the baseline, runs the open-loop load generator (tools/loadgen.py) for --lead-in seconds (not judged: the server
 reaches its steady concurrency) and then the judged --duration seconds, drains, lets it go idle again and judges:
 
   soak (default: 70% of --capacity for 600 s)
@@ -52,7 +53,8 @@ from runtime.client import serving_status  # noqa: E402
 from tools._driver import DriveOptions  # noqa: E402
 from tools._stats import OK, REJECTED, distribution, in_window  # noqa: E402
 from tools._target import TargetError, loopback_target, resident_bytes  # noqa: E402
-from tools._workload import IDE_MIX, Arrival, Mix, WorkloadError, load_mix, poisson_schedule  # noqa: E402
+from tools._workload import (IDE_MIX, Arrival, Mix, WorkloadError, largest_of_each_class, load_mix,  # noqa: E402
+                             poisson_schedule)
 from tools.loadgen import LoadgenError, connect, describe, execute, mix_to_dict, wait_idle, write_run  # noqa: E402
 
 MiB = 1 << 20
@@ -330,8 +332,10 @@ def measure(args: argparse.Namespace, setup: Setup, addr: str, server_pid: int |
                 "classes": [c.name for c in mix.classes], "requests": len(arrivals)}
         return execute(target, info, arrivals, seconds, options, meta)
 
-    # 1) warm up, go idle, take the memory baseline
-    warm = phase("warm-up", setup.warm_rate_rps, args.warmup, args.seed + 1)
+    # 1) warm up (the largest request of each class first, then Poisson arrivals), go idle, take the memory baseline
+    poisson = poisson_schedule(mix, setup.warm_rate_rps, args.seed + 1, duration_s=args.warmup)
+    warm = phase("warm-up", setup.warm_rate_rps, args.warmup, args.seed + 1,
+                 tuple(sorted(largest_of_each_class(mix) + poisson, key=lambda a: a.offset_s)))
     write_run(warm, out / "warmup", plots=False)
     baseline, _ = idle_memory(addr, target.server_pid, args.drain_timeout, args.settle)
     # 2) the run (a soak's last tenth replays its first), then idle again: final memory and load
