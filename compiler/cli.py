@@ -79,13 +79,13 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(func, ns: argparse.Namespace) -> int:
-    from compiler.build import BuildError
-    from compiler.fit import FitError
-    from compiler.memplan import PlanError
-    from compiler.slabs import SlabPlanError
-    from compiler.spec import SpecError
-    from runtime.config import ModelLoadError
-    from runtime.plan import PlanFormatError
+    from slabserve.compiler.build import BuildError
+    from slabserve.compiler.fit import FitError
+    from slabserve.compiler.memplan import PlanError
+    from slabserve.compiler.slabs import SlabPlanError
+    from slabserve.compiler.spec import SpecError
+    from slabserve.runtime.config import ModelLoadError
+    from slabserve.runtime.plan import PlanFormatError
 
     try:
         return func(ns)
@@ -107,10 +107,10 @@ def _run(func, ns: argparse.Namespace) -> int:
 
 
 def _cmd_build(ns: argparse.Namespace) -> int:
-    from compiler.build import build_plan
-    from compiler.bundle import write_bundle
-    from compiler.spec import load_spec
-    from compiler.tools import summary
+    from slabserve.compiler.build import build_plan
+    from slabserve.compiler.bundle import write_bundle
+    from slabserve.compiler.spec import load_spec
+    from slabserve.compiler.tools import summary
 
     start = time.monotonic()
     spec = load_spec(ns.spec, base_dir=ns.base_dir)
@@ -123,13 +123,13 @@ def _cmd_build(ns: argparse.Namespace) -> int:
 
 
 def _read(bundle: str):
-    from runtime.plan import read_plan_and_id
+    from slabserve.runtime.plan import read_plan_and_id
 
     return read_plan_and_id(bundle)
 
 
 def _cmd_inspect(ns: argparse.Namespace) -> int:
-    from compiler.tools import inspect
+    from slabserve.compiler.tools import inspect
 
     plan, pid = _read(ns.bundle)
     print(inspect(plan, pid))
@@ -137,7 +137,7 @@ def _cmd_inspect(ns: argparse.Namespace) -> int:
 
 
 def _cmd_diff(ns: argparse.Namespace) -> int:
-    from compiler.tools import diff_plans
+    from slabserve.compiler.tools import diff_plans
 
     if ns.max_regression < 0:
         print("error: --max-regression: expected a percentage >= 0", file=sys.stderr)
@@ -149,9 +149,9 @@ def _cmd_diff(ns: argparse.Namespace) -> int:
 
 
 def _cmd_verify(ns: argparse.Namespace) -> int:
-    from compiler.fit import check_plan_against
-    from compiler.spec import DEFAULT_RESERVE, GPUS
-    from runtime.units import parse_bytes
+    from slabserve.compiler.fit import check_plan_against
+    from slabserve.compiler.spec import DEFAULT_RESERVE, GPUS
+    from slabserve.runtime.units import parse_bytes
 
     plan, pid = _read(ns.bundle)
     name = ns.target
@@ -183,7 +183,7 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
 
 
 def _dispatch_runtime(command: str, argv: list[str]) -> int:
-    module_name = {"serve": "runtime.server", "generate": "runtime.client"}[command]
+    module_name = {"serve": "slabserve.runtime.server", "generate": "slabserve.runtime.client"}[command]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from compiler.slabs import SlabPlan
-from compiler.spec import GPUS, Spec
-from runtime.units import format_bytes
-from runtime import plan as P
+from slabserve.compiler.slabs import SlabPlan
+from slabserve.compiler.spec import GPUS, Spec
+from slabserve.runtime.units import format_bytes
+from slabserve.runtime import plan as P
 
 
 class FitError(ValueError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence
 
-from runtime.units import round_up
+from slabserve.runtime.units import round_up
 
 DEFAULT_ALIGNMENT = 64  # bytes: a cache line, and enough for any dtype and vector load
 

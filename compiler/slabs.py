@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from compiler.spec import KVSpec, RequestClass
-from runtime.units import format_bytes, round_up
+from slabserve.compiler.spec import KVSpec, RequestClass
+from slabserve.runtime.units import format_bytes, round_up
 
 PAGE_TOKENS = 16  # page size of the paged pool used for comparison (vLLM's default block size)
 DEFAULT_GRANULARITY = 16  # planned slab capacities are multiples of this many tokens

@@ -59,8 +59,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from runtime.plan import MAX_QUEUE_DELAY_MS
-from runtime.units import format_bytes, parse_bytes
+from slabserve.runtime.plan import MAX_QUEUE_DELAY_MS
+from slabserve.runtime.units import format_bytes, parse_bytes
 
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 DEVICES = ("cpu", "cuda")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.units import format_bytes
-from runtime import plan as P
+from slabserve.runtime.units import format_bytes
+from slabserve.runtime import plan as P
 
 
 def summary(plan: P.Plan, plan_id: str) -> str:

@@ -20,9 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
-from runtime.config import ModelConfig
-from runtime.model import LlamaStep, packed_shapes
-from runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
+from slabserve.runtime.config import ModelConfig
+from slabserve.runtime.model import LlamaStep, packed_shapes
+from slabserve.runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
 
 
 @dataclass(frozen=True, slots=True)

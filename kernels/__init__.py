@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-from kernels.ops import (
+from slabserve.kernels.ops import (
     kv_write,
     rms_norm,
     rope,
@@ -25,7 +25,7 @@ from kernels.ops import (
     slab_decode_attention,
     slab_prefill_attention,
 )
-from kernels.reference import (
+from slabserve.kernels.reference import (
     kv_write_ref,
     rms_norm_ref,
     rope_ref,
@@ -35,15 +35,15 @@ from kernels.reference import (
     prefill_workspace_numel,
     cpu_workspace_numel,
 )
-from kernels.workspace import DecodeWorkspaceSpec, decode_num_splits, decode_workspace_shape, new_decode_workspace
+from slabserve.kernels.workspace import DecodeWorkspaceSpec, decode_num_splits, decode_workspace_shape, new_decode_workspace
 
 _TRITON_EXPORTS = {
-    "rms_norm_triton": "kernels.triton_rmsnorm",
-    "rope_triton": "kernels.triton_rope",
-    "silu_mul_triton": "kernels.triton_silu_mul",
-    "kv_write_triton": "kernels.triton_kv_write",
-    "slab_prefill_attention_triton": "kernels.triton_slab_attention",
-    "slab_decode_attention_triton": "kernels.triton_slab_attention",
+    "rms_norm_triton": "slabserve.kernels.triton_rmsnorm",
+    "rope_triton": "slabserve.kernels.triton_rope",
+    "silu_mul_triton": "slabserve.kernels.triton_silu_mul",
+    "kv_write_triton": "slabserve.kernels.triton_kv_write",
+    "slab_prefill_attention_triton": "slabserve.kernels.triton_slab_attention",
+    "slab_decode_attention_triton": "slabserve.kernels.triton_slab_attention",
 }
 
 __all__ = [
@@ -59,4 +59,4 @@ def __getattr__(name: str):
     """Load a Triton wrapper on first access, so CPU-only processes never import Triton."""
     if name in _TRITON_EXPORTS:
         return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    raise AttributeError(f"module 'slabserve.kernels' has no attribute {name!r}")

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch  # first: the library's OpenMP calls bind to the runtime torch loaded (one thread pool)
 
-from kernels import contracts, reference
-from kernels.contracts import PANEL, check_linear, panel_shape
+from slabserve.kernels import contracts, reference
+from slabserve.kernels.contracts import PANEL, check_linear, panel_shape
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")

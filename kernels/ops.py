@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import contracts, cpu_native, reference
+from slabserve.kernels import contracts, cpu_native, reference
 
 _LIB = "slabserve"
 
@@ -43,7 +43,7 @@ def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: 
 
 @_rms_norm_op.register_kernel("cuda")
 def _rms_norm_cuda(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
-    from kernels.triton_rmsnorm import rms_norm_triton
+    from slabserve.kernels.triton_rmsnorm import rms_norm_triton
     rms_norm_triton(x, weight, eps, out)
 
 
@@ -61,7 +61,7 @@ def _rope_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspace
 
 @_rope_op.register_kernel("cuda")
 def _rope_cuda(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspace: Optional[Tensor] = None) -> None:
-    from kernels.triton_rope import rope_triton
+    from slabserve.kernels.triton_rope import rope_triton
     rope_triton(q, k, positions, cos_sin)
 
 
@@ -79,7 +79,7 @@ def _silu_mul_op(gate_up: Tensor, out: Tensor) -> None:
 
 @_silu_mul_op.register_kernel("cuda")
 def _silu_mul_cuda(gate_up: Tensor, out: Tensor) -> None:
-    from kernels.triton_silu_mul import silu_mul_triton
+    from slabserve.kernels.triton_silu_mul import silu_mul_triton
     silu_mul_triton(gate_up, out)
 
 
@@ -97,7 +97,7 @@ def _kv_write_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ma
 
 @_kv_write_op.register_kernel("cuda")
 def _kv_write_cuda(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    from kernels.triton_kv_write import kv_write_triton
+    from slabserve.kernels.triton_kv_write import kv_write_triton
     kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -119,7 +119,7 @@ def _slab_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start:
 def _slab_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start: Tensor, slab_offset: Tensor,
                          context_len: Tensor, scale: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
     # the Triton kernel keeps its scores in registers; the CPU path's workspace is not needed here
-    from kernels.triton_slab_attention import slab_prefill_attention_triton
+    from slabserve.kernels.triton_slab_attention import slab_prefill_attention_triton
     slab_prefill_attention_triton(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
 
 
@@ -141,7 +141,7 @@ def _slab_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: Te
 @_slab_decode_op.register_kernel("cuda")
 def _slab_decode_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: Tensor, context_len: Tensor,
                       scale: float, out: Tensor, workspace: Optional[Tensor]) -> None:
-    from kernels.triton_slab_attention import slab_decode_attention_triton
+    from slabserve.kernels.triton_slab_attention import slab_decode_attention_triton
     slab_decode_attention_triton(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.contracts import (
+from slabserve.kernels.contracts import (
     PANEL,
     check_kv_write,
     check_linear,

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import block_size
-from kernels.contracts import check_kv_write
+from slabserve.kernels._triton_util import block_size
+from slabserve.kernels.contracts import check_kv_write
 
 
 @triton.jit

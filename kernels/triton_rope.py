@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import block_size
-from kernels.contracts import check_rope
+from slabserve.kernels._triton_util import block_size
+from slabserve.kernels.contracts import check_rope
 
 
 @triton.jit

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import block_size
-from kernels.contracts import check_silu_mul
+from slabserve.kernels._triton_util import block_size
+from slabserve.kernels.contracts import check_silu_mul
 
 _BLOCK_COLS = 1024
 

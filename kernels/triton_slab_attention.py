@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import block_size, dot_precision
-from kernels.contracts import check_slab_decode_attention, check_slab_prefill_attention
-from kernels.workspace import decode_workspace_shape, new_decode_workspace
+from slabserve.kernels._triton_util import block_size, dot_precision
+from slabserve.kernels.contracts import check_slab_decode_attention, check_slab_prefill_attention
+from slabserve.kernels.workspace import decode_workspace_shape, new_decode_workspace
 
 LOG2_E = 1.4426950408889634
 _PREFILL_BLOCK_M = 64  # query rows per tile: BLOCK_M // GROUP tokens times GROUP heads

@@ -1,13 +1,13 @@
 """Generate the Python stubs of proto/slabserve/v1/*.proto with grpc_tools (a dev dependency).
 
 The stubs are committed beside the protos, so a serving image needs neither protoc nor grpcio-tools; they are never
-edited by hand. `python -m proto.build` (or `make proto`) rewrites them; `python -m proto.build --check` exits 1,
+edited by hand. `python -m slabserve.proto.build` (or `make proto`) rewrites them; `python -m slabserve.proto.build --check` exits 1,
 naming the stale files, when they differ from what the protos generate now (tests/test_proto.py runs the same
 check). Only the lines that record which protobuf/grpcio-tools wrote a file are ignored by the check: a newer
 grpcio-tools that generates the same code otherwise is not drift.
 
 protoc writes `from slabserve.v1 import serving_pb2` into the gRPC stubs (import paths follow the `-I` root); the
-package here is `proto.slabserve.v1`, so that one import is rewritten.
+package here is `slabserve.proto.slabserve.v1`, so that one import is rewritten.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def generate(out: Path, root: Path = ROOT) -> list[Path]:
         raise SystemExit(f"protoc failed on {', '.join(PROTOS)}")
     written = sorted(p for p in out.rglob("*_pb2*.py*") if p.is_file())
     for path in written:
-        text = _IMPORT.sub(r"from proto.slabserve.\1 import \2_pb2 as", path.read_text())
+        text = _IMPORT.sub(r"from slabserve.proto.slabserve.\1 import \2_pb2 as", path.read_text())
         path.write_text(text)
     return written
 
@@ -56,7 +56,7 @@ def _content(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m proto.build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m slabserve.proto.build", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed stubs are stale")
     args = parser.parse_args(argv)
     if args.check:

@@ -4,7 +4,7 @@ scheduler and slab allocator import without torch)."""
 
 def __getattr__(name: str):
     if name in ("Engine", "EngineConfig", "StoppingOptions"):
-        from runtime import engine
+        from slabserve.runtime import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

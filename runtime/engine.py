@@ -18,19 +18,19 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_native
-from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
+from slabserve.kernels import cpu_native
+from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                               check_no_allocations, plan_sequential)
-from runtime.loader import GGUFSource, WeightSource, open_model
-from runtime.graph_io import GRAPHS_FILE, read_programs
-from runtime.plan import config_fingerprint, read_plan_and_id
-from runtime.model import DTYPE_NAMES, build_step, default_gemm, weight_layout
-from runtime.sampler import Sampler, SamplingParams, make_generator
-from runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
-from runtime.slab_allocator import SlabClass
-from runtime.step import SeqChunk, StepInputs
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from runtime.trace import export_step, graph_fingerprint
+from slabserve.runtime.loader import GGUFSource, WeightSource, open_model
+from slabserve.runtime.graph_io import GRAPHS_FILE, read_programs
+from slabserve.runtime.plan import config_fingerprint, read_plan_and_id
+from slabserve.runtime.model import DTYPE_NAMES, build_step, default_gemm, weight_layout
+from slabserve.runtime.sampler import Sampler, SamplingParams, make_generator
+from slabserve.runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
+from slabserve.runtime.slab_allocator import SlabClass
+from slabserve.runtime.step import SeqChunk, StepInputs
+from slabserve.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from slabserve.runtime.trace import export_step, graph_fingerprint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -35,8 +35,8 @@ from torch._C._profiler import _EventType
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from kernels.ops import CPU_PREPARE
-from runtime.trace import ActivationTensor, NodeKind, activation_tensors, node_kind
+from slabserve.kernels.ops import CPU_PREPARE
+from slabserve.runtime.trace import ActivationTensor, NodeKind, activation_tensors, node_kind
 
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "query_start", "slab_offset", "context_len",
                "logits_indices", "k_cache", "v_cache")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
+from slabserve.runtime.config import ModelConfig, ModelLoadError, config_from_gguf, config_from_hf
 
 GGUF_MAGIC = b"GGUF"
 

@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.plan import Plan
-from runtime.units import format_bytes, parse_bytes
+from slabserve.runtime.plan import Plan
+from slabserve.runtime.units import format_bytes, parse_bytes
 
 
 class InsufficientMemoryError(RuntimeError):

@@ -29,13 +29,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
-import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
-from kernels import cpu_native
-from kernels.contracts import panel_shape
-from kernels.reference import cpu_workspace_numel
-from runtime.config import ModelConfig
-from runtime.plan import GEMMS
-from runtime.rope import rope_table
+import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
+from slabserve.kernels import cpu_native
+from slabserve.kernels.contracts import panel_shape
+from slabserve.kernels.reference import cpu_workspace_numel
+from slabserve.runtime.config import ModelConfig
+from slabserve.runtime.plan import GEMMS
+from slabserve.runtime.rope import rope_table
 
 ops = torch.ops.slabserve
 

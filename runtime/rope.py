@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from runtime.config import ModelConfig, RopeScaling
+from slabserve.runtime.config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling, freq_factors: torch.Tensor | None = None

@@ -41,8 +41,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.admission import AdmissionView, OverloadedError, Pending, StepTimes
-from runtime.slab_allocator import Slab, SlabAllocator, SlabClass
+from slabserve.runtime.admission import AdmissionView, OverloadedError, Pending, StepTimes
+from slabserve.runtime.slab_allocator import Slab, SlabAllocator, SlabClass
 
 _RECENT_FREES = 32             # completions per class remembered for the retry hint
 _DEFAULT_RETRY_MS = 1000       # retry hint before any request of the class has finished

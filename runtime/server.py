@@ -51,17 +51,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto.slabserve.v1 import serving_pb2 as pb
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
-from runtime.admission import AdmissionView, OverloadedError
-from runtime.engine import Engine, EngineConfig, GenerationEvent, StoppingOptions
-from runtime.executor import PlanViolationError
-from runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
-from runtime.metrics import Metrics
-from runtime.sampler import SamplingParams
-from runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError
-from runtime.slab_allocator import SlabClass
-from runtime.tokenizer import ChatTemplateError
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.runtime.admission import AdmissionView, OverloadedError
+from slabserve.runtime.engine import Engine, EngineConfig, GenerationEvent, StoppingOptions
+from slabserve.runtime.executor import PlanViolationError
+from slabserve.runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
+from slabserve.runtime.metrics import Metrics
+from slabserve.runtime.sampler import SamplingParams
+from slabserve.runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError
+from slabserve.runtime.slab_allocator import SlabClass
+from slabserve.runtime.tokenizer import ChatTemplateError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SlabServe"].full_name   # "slabserve.v1.SlabServe"
 log = logging.getLogger("slabserve.server")
@@ -909,10 +909,10 @@ def _access_from_args(args: argparse.Namespace) -> Access:
 
 def _engine_from_args(args: argparse.Namespace) -> Engine:
     if args.bundle is not None:
-        from runtime.config import ModelLoadError
-        from runtime.engine import PlanMismatchError
-        from runtime.graph_io import GraphFormatError
-        from runtime.plan import PlanFormatError, read_plan
+        from slabserve.runtime.config import ModelLoadError
+        from slabserve.runtime.engine import PlanMismatchError
+        from slabserve.runtime.graph_io import GraphFormatError
+        from slabserve.runtime.plan import PlanFormatError, read_plan
 
         try:
             _check_memory(read_plan(args.bundle), args.memory_limit)  # before Engine.from_plan allocates anything

@@ -24,10 +24,10 @@ import torch
 from torch import fx
 from torch.export import ExportedProgram
 
-import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
-from runtime.config import ModelConfig
-from runtime.model import LlamaStep, packed_shapes
-from runtime.step import logits_rows
+import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
+from slabserve.runtime.config import ModelConfig
+from slabserve.runtime.model import LlamaStep, packed_shapes
+from slabserve.runtime.step import logits_rows
 
 
 class NodeKind(enum.Enum):

@@ -156,7 +156,7 @@ def save_reference_as_hf(folder: Path, config: dict, reference: dict[str, np.nda
 
     from safetensors.numpy import save_file
 
-    from runtime.loader import gguf_to_hf_name
+    from slabserve.runtime.loader import gguf_to_hf_name
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))

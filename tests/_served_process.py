@@ -2,7 +2,7 @@
 
 `build_tiny_bundle(root)` writes a tiny random-weight Llama (tests/_models.py) and its plan bundle under `root`
 (the bundle names its model relative to `root`, so the server runs with `root` as its working directory).
-`ServerProcess.start(root, ...)` runs `python -m runtime.server` there and waits for its "serving" log line.
+`ServerProcess.start(root, ...)` runs `python -m slabserve.runtime.server` there and waits for its "serving" log line.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.slabserve.v1 import serving_pb2 as pb
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -29,9 +29,9 @@ TINY_CLASSES = ({"tokens": 64, "count": 4}, {"tokens": 256, "count": 2})   # max
 def build_tiny_bundle(root: Path, name: str = "tiny-served", **spec_overrides) -> Path:
     """`root/model` (tiny model) and `root/bundle` (its plan); returns `root`."""
     from _models import make_served_tiny_model
-    from compiler.build import build_plan
-    from compiler.bundle import write_bundle
-    from compiler.spec import load_spec
+    from slabserve.compiler.build import build_plan
+    from slabserve.compiler.bundle import write_bundle
+    from slabserve.compiler.spec import load_spec
 
     root.mkdir(parents=True, exist_ok=True)
     if not (root / "model").exists():
@@ -65,7 +65,7 @@ class ServerProcess:
     def start(cls, root: Path, *args: str, log_name: str = "server.log", wait: bool = True) -> "ServerProcess":
         log = root / log_name
         with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "runtime.server", "bundle", "--port", "0",
+            proc = subprocess.Popen([sys.executable, "-m", "slabserve.runtime.server", "bundle", "--port", "0",
                                      "--metrics-port", "-1", *args], cwd=root, stdout=sink,
                                     stderr=subprocess.STDOUT, env=server_env(root / "scratch"))
         server = cls(proc, log)

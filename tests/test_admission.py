@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime.admission import AdmissionView, DelayBoundError, OverloadedError, Pending, StepTimes
-from runtime.scheduler import QueueFullError, Request, Scheduler
-from runtime.slab_allocator import SlabClass
+from slabserve.runtime.admission import AdmissionView, DelayBoundError, OverloadedError, Pending, StepTimes
+from slabserve.runtime.scheduler import QueueFullError, Request, Scheduler
+from slabserve.runtime.slab_allocator import SlabClass
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -174,11 +174,11 @@ def test_off_by_default():
 def test_server_refuses_at_once_with_the_engine_thread_busy(tmp_path: Path, monkeypatch):
     from _served_process import build_tiny_bundle
 
-    from proto.slabserve.v1 import serving_pb2 as pb
-    from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
-    from runtime.engine import Engine
-    from runtime.plan import read_plan
-    from runtime.server import create_server
+    from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+    from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+    from slabserve.runtime.engine import Engine
+    from slabserve.runtime.plan import read_plan
+    from slabserve.runtime.server import create_server
 
     root = build_tiny_bundle(tmp_path, max_queue_delay_ms=1)
     monkeypatch.chdir(root)  # the plan names its model relative to where it was built

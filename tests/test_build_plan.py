@@ -16,12 +16,12 @@ import onnx
 import pytest
 import yaml
 
-from compiler.build import build_plan
-from compiler.bundle import write_bundle
-from compiler.cli import build_plan_main, main
-from compiler.spec import load_spec
-from runtime.loader import open_config
-from runtime.plan import PLAN_FILE, plan_to_data, read_plan
+from slabserve.compiler.build import build_plan
+from slabserve.compiler.bundle import write_bundle
+from slabserve.compiler.cli import build_plan_main, main
+from slabserve.compiler.spec import load_spec
+from slabserve.runtime.loader import open_config
+from slabserve.runtime.plan import PLAN_FILE, plan_to_data, read_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
@@ -125,13 +125,13 @@ def _run_with_plan(folder: Path, plan) -> None:
     with the plan's offsets gives the eager step's logits."""
     import torch
 
-    from runtime.executor import ActivationPlan, PlannedExecutor
-    from runtime.loader import open_model
-    from runtime.model import build_step
-    from runtime.step import SeqChunk, StepInputs
-    from runtime.trace import export_step, graph_fingerprint
+    from slabserve.runtime.executor import ActivationPlan, PlannedExecutor
+    from slabserve.runtime.loader import open_model
+    from slabserve.runtime.model import build_step
+    from slabserve.runtime.step import SeqChunk, StepInputs
+    from slabserve.runtime.trace import export_step, graph_fingerprint
 
-    from runtime.plan import config_fingerprint
+    from slabserve.runtime.plan import config_fingerprint
 
     e = plan.engine
     source = open_model(folder)

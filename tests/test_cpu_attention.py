@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.reference import cpu_workspace_numel, prefill_workspace_numel, slab_prefill_attention_ref
-from runtime.executor import allocations
+from slabserve.kernels import reference
+from slabserve.kernels.reference import cpu_workspace_numel, prefill_workspace_numel, slab_prefill_attention_ref
+from slabserve.runtime.executor import allocations
 
 H, HKV, D, ROWS = 4, 2, 16, 2048
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
-from kernels import cpu_native, reference
-from kernels.contracts import PANEL, panel_shape
-from runtime.executor import allocations
+import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
+from slabserve.kernels import cpu_native, reference
+from slabserve.kernels.contracts import PANEL, panel_shape
+from slabserve.runtime.executor import allocations
 
 REPO = Path(__file__).resolve().parents[1]
 needs_native = pytest.mark.skipif(not cpu_native.available(),

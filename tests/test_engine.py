@@ -6,10 +6,10 @@ import random
 import pytest
 
 from _models import smollm2_path
-from runtime.engine import Engine, EngineConfig, StoppingOptions, _find_stop, _held_back
-from runtime.sampler import SamplingParams
-from runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError
-from runtime.slab_allocator import SlabClass
+from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions, _find_stop, _held_back
+from slabserve.runtime.sampler import SamplingParams
+from slabserve.runtime.scheduler import FinishReason, InvalidRequestError, OutOfRangeError
+from slabserve.runtime.slab_allocator import SlabClass
 
 CLASSES = (SlabClass(128, 6), SlabClass(512, 2))
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 from _models import make_served_tiny_model
-from runtime.engine import Engine, EngineConfig, StoppingOptions
-from runtime.sampler import SamplingParams
-from runtime.scheduler import QueueFullError
-from runtime.slab_allocator import SlabClass
+from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
+from slabserve.runtime.sampler import SamplingParams
+from slabserve.runtime.scheduler import QueueFullError
+from slabserve.runtime.slab_allocator import SlabClass
 
 REQUESTS = 2000
 

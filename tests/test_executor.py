@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from _models import make_hf_model
-from compiler.memplan import TensorSpec, plan_shared
-from runtime.executor import ActivationPlan, PlannedExecutor, PlanViolationError, out_overload
-from runtime.loader import open_model
-from runtime.model import build_step
-from runtime.step import SeqChunk, StepInputs
-from runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
+from slabserve.compiler.memplan import TensorSpec, plan_shared
+from slabserve.runtime.executor import ActivationPlan, PlannedExecutor, PlanViolationError, out_overload
+from slabserve.runtime.loader import open_model
+from slabserve.runtime.model import build_step
+from slabserve.runtime.step import SeqChunk, StepInputs
+from slabserve.runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
 
 BUCKETS, MAX_SEQS, KV_ROWS = (1, 4, 8), 3, 96
 
@@ -103,7 +103,7 @@ def test_trace_is_stable_and_runs_on_meta_weights(tiny):
 
 def test_weight_layout_shapes_are_what_pack_weights_makes(tiny):
     """The weight arena's layout is computed from shapes alone; it must name pack_weights' tensors in its order."""
-    from runtime.model import packed_shapes
+    from slabserve.runtime.model import packed_shapes
 
     config, step, _ = tiny
     slots = [(s.name, s.shape) for s in step.weight_slots if s.name != "rope_cos_sin"]

@@ -26,9 +26,9 @@ import grpc
 import pytest
 
 from _served_process import ServerProcess, assert_every_slab_free, assert_serves, build_tiny_bundle, idle_load
-from proto.slabserve.v1 import serving_pb2 as pb
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
-from runtime.plan import read_plan
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.runtime.plan import read_plan
 
 LONG = pb.StoppingOptions(max_tokens=200, ignore_eos=True)   # needs the 256-token class; about 200 engine steps
 MiB = 1 << 20

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _served_process import ServerProcess, assert_every_slab_free, assert_serves, build_tiny_bundle, health, SERVING
-from proto.slabserve.v1 import serving_pb2 as pb
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 
 GENERATE = "/slabserve.v1.SlabServe/Generate"
 MAX_MESSAGE_BYTES = 1 << 20        # the server's default --max-message-bytes

@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from _models import make_served_tiny_model
-from compiler.build import build_plan
-from compiler.bundle import write_bundle
-from compiler.spec import load_spec
-from runtime.engine import Engine, PlanMismatchError, StoppingOptions
-from kernels import cpu_native
-from runtime.graph_io import GRAPHS_FILE, GraphFormatError
-from runtime.plan import read_plan
+from slabserve.compiler.build import build_plan
+from slabserve.compiler.bundle import write_bundle
+from slabserve.compiler.spec import load_spec
+from slabserve.runtime.engine import Engine, PlanMismatchError, StoppingOptions
+from slabserve.kernels import cpu_native
+from slabserve.runtime.graph_io import GRAPHS_FILE, GraphFormatError
+from slabserve.runtime.plan import read_plan
 
 PROMPTS = ["def main(argv):", "The quick brown fox", "for i in range(10):"]
 STOP = StoppingOptions(max_tokens=12, ignore_eos=True)
@@ -92,7 +92,7 @@ def test_a_truncated_file_is_refused(bundle, monkeypatch):
 
 def test_weights_fill_the_planned_weight_arena(bundle, monkeypatch):
     """One weight arena of exactly the plan's bytes; every weight and the rope table at its planned offset."""
-    from runtime.plan import read_plan
+    from slabserve.runtime.plan import read_plan
 
     monkeypatch.chdir(bundle)
     engine, plan = Engine.from_plan(bundle / "bundle"), read_plan(bundle / "bundle")

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import contracts
+from slabserve import kernels
+from slabserve.kernels import contracts
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from _models import make_hf_model, write_gguf
-from runtime.config import ModelLoadError, UnsupportedModelError
-from runtime.loader import open_config, open_model
+from slabserve.runtime.config import ModelLoadError, UnsupportedModelError
+from slabserve.runtime.loader import open_config, open_model
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,18 @@ from pathlib import Path
 import grpc
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tools.` without `python -m pytest`
-
-from _models import make_served_tiny_model  # noqa: E402
-from proto.slabserve.v1 import serving_pb2 as pb  # noqa: E402
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc  # noqa: E402
-from runtime.engine import Engine, EngineConfig  # noqa: E402
-from runtime.server import create_server  # noqa: E402
-from runtime.slab_allocator import SlabClass  # noqa: E402
-from tools import loadgen, soak  # noqa: E402
-from tools._driver import DriveOptions, Target, run_schedule  # noqa: E402
-from tools._stats import percentile, summarize  # noqa: E402
-from tools._sweep import SweepPlan, step_figures, sweep  # noqa: E402
-from tools._target import TargetError, loopback_target  # noqa: E402
-from tools._workload import (Arrival, WorkloadError, largest_of_each_class, load_trace, mix_from_dict,  # noqa: E402
+from _models import make_served_tiny_model
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.runtime.engine import Engine, EngineConfig
+from slabserve.runtime.server import create_server
+from slabserve.runtime.slab_allocator import SlabClass
+from slabserve.tools import loadgen, soak
+from slabserve.tools._driver import DriveOptions, Target, run_schedule
+from slabserve.tools._stats import percentile, summarize
+from slabserve.tools._sweep import SweepPlan, step_figures, sweep
+from slabserve.tools._target import TargetError, loopback_target
+from slabserve.tools._workload import (Arrival, WorkloadError, largest_of_each_class, load_trace, mix_from_dict,
                              poisson_schedule)
 
 MiB = 1 << 20
@@ -461,7 +459,7 @@ def test_a_sweep_against_the_server_writes_its_json_plot_and_steps(tiny_server, 
 
 
 def test_sweep_plots_and_percentiles(tmp_path):
-    from tools._plots import plot_sweep
+    from slabserve.tools._plots import plot_sweep
     plan = SweepPlan(start_rps=1.0, ttft_bound_s=1.0, factor=2.0, refine=1)
     result = sweep(plan, _fake_step(capacity=5.0, plan=plan)[0])
     result["meta"] = {"title": "synthetic sweep"}

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from compiler.build import build_plan
-from compiler.spec import load_spec
-from runtime.memcheck import FreeMemory, InsufficientMemoryError, check_plan_fits, free_memory, parse_size
+from slabserve.compiler.build import build_plan
+from slabserve.compiler.spec import load_spec
+from slabserve.runtime.memcheck import FreeMemory, InsufficientMemoryError, check_plan_fits, free_memory, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

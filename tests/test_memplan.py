@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiler.memplan import (
+from slabserve.compiler.memplan import (
     Placement,
     PlanError,
     SharedPlacement,

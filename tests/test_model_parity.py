@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from _models import GGUF_TINY, make_hf_model, save_reference_as_hf, write_gguf
-from kernels import cpu_native
-from runtime.loader import open_model
-from runtime.model import build_step
-from runtime.step import SeqChunk, StepInputs
+from slabserve.kernels import cpu_native
+from slabserve.runtime.loader import open_model
+from slabserve.runtime.model import build_step
+from slabserve.runtime.step import SeqChunk, StepInputs
 
 DECODE_STEPS = 32
 SLAB = 64  # rows per slab in these tests
@@ -107,7 +107,7 @@ def test_hf_safetensors_parity(case, gemm, tmp_path):
 @pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_gguf_tensor_types_match_dequantized_reference(type_name, tmp_path):
     from _models import hf_reference
-    from runtime.loader import gguf_to_hf_name
+    from slabserve.runtime.loader import gguf_to_hf_name
 
     config, reference = write_gguf(tmp_path / f"tiny-{type_name}.gguf", type_name, tied=type_name == "Q8_0")
     source = open_model(tmp_path / f"tiny-{type_name}.gguf")

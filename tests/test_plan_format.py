@@ -11,11 +11,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from compiler.build import build_plan
-from compiler.bundle import write_bundle
-from compiler.cli import main
-from compiler.spec import load_spec
-from runtime import plan as P
+from slabserve.compiler.build import build_plan
+from slabserve.compiler.bundle import write_bundle
+from slabserve.compiler.cli import main
+from slabserve.compiler.spec import load_spec
+from slabserve.runtime import plan as P
 
 ROOT = Path(__file__).resolve().parents[1]
 

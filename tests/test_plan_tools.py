@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from compiler.cli import main
+from slabserve.compiler.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SPEC = ROOT / "tests" / "golden" / "tiny-llama.yaml"
@@ -82,19 +82,19 @@ def test_verify_bad_arguments(bundles, capsys, argv, message):
 
 def test_serve_and_generate_dispatch(monkeypatch):
     seen = {}
-    for name in ("runtime.server", "runtime.client"):
+    for name in ("slabserve.runtime.server", "slabserve.runtime.client"):
         module = types.ModuleType(name)
         module.main = lambda argv, name=name: seen.setdefault(name, list(argv)) and 0
         monkeypatch.setitem(sys.modules, name, module)
     assert main(["serve", "build/smollm2", "--port", "0"]) == 0
     assert main(["generate", "--prompt", "hi"]) == 0
-    assert seen == {"runtime.server": ["build/smollm2", "--port", "0"], "runtime.client": ["--prompt", "hi"]}
+    assert seen == {"slabserve.runtime.server": ["build/smollm2", "--port", "0"], "slabserve.runtime.client": ["--prompt", "hi"]}
 
 
 def test_missing_runtime_module_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "runtime.server", None)  # import raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "slabserve.runtime.server", None)  # import raises ModuleNotFoundError
     assert main(["serve"]) == 2
-    assert "needs runtime.server" in capsys.readouterr().err
+    assert "needs slabserve.runtime.server" in capsys.readouterr().err
 
 
 def test_no_command_prints_help(capsys):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from proto import build
+from slabserve.proto import build
 
 PROTO = build.ROOT / "slabserve/v1/serving.proto"
 
@@ -78,5 +78,5 @@ def test_runtime_imports_no_compiler():
     import subprocess
     import sys
 
-    code = "import sys, runtime.server, runtime.client; sys.exit(any(m.startswith('compiler') for m in sys.modules))"
+    code = "import sys, slabserve.runtime.server, slabserve.runtime.client; sys.exit(any(m.startswith('slabserve.compiler') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=build.ROOT.parent).returncode == 0

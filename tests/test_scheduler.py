@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.scheduler import (FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError, Request,
+from slabserve.runtime.scheduler import (FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError, Request,
                                ScheduledStep, Scheduler, TokenEvent)
-from runtime.slab_allocator import Slab, SlabAllocator, SlabClass
+from slabserve.runtime.slab_allocator import Slab, SlabAllocator, SlabClass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH

@@ -1,6 +1,6 @@
 """The gRPC server over a real Engine (SmolLM2) on a free loopback port: no mocks of grpc.
 
-One module-scoped server serves most tests; the SIGTERM drain runs `python -m runtime.server` as a subprocess.
+One module-scoped server serves most tests; the SIGTERM drain runs `python -m slabserve.runtime.server` as a subprocess.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from _models import smollm2_path
 from _served_process import idle_load
-from proto.slabserve.v1 import serving_pb2 as pb
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
-from runtime.engine import Engine, EngineConfig, StoppingOptions
-from runtime.server import SERVICE_NAME, create_server
-from runtime.slab_allocator import SlabClass
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
+from slabserve.runtime.server import SERVICE_NAME, create_server
+from slabserve.runtime.slab_allocator import SlabClass
 
 pytestmark = pytest.mark.slow
 
@@ -385,7 +385,7 @@ def test_sigterm_drains_running_streams_then_exits_0(tmp_path):
     log = tmp_path / "server.log"
     started = time.monotonic()
     with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "runtime.server", "--model", str(smollm2_path()),
+        proc = subprocess.Popen([sys.executable, "-m", "slabserve.runtime.server", "--model", str(smollm2_path()),
                                  "--classes", "64x8,256x2", "--max-seqs", "8", "--step-tokens", "64",
                                  "--port", "0", "--metrics-port", "-1", "--grace-seconds", "60"],
                                 stdout=sink, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])

@@ -10,11 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from _models import make_served_tiny_model
-from proto.slabserve.v1 import serving_pb2 as pb
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
-from runtime.engine import Engine, EngineConfig
-from runtime.server import Access, create_server
-from runtime.slab_allocator import SlabClass
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.runtime.engine import Engine, EngineConfig
+from slabserve.runtime.server import Access, create_server
+from slabserve.runtime.slab_allocator import SlabClass
 
 TOKEN = "s3cret-token"
 

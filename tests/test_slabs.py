@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiler.spec import RequestClass, load_spec, parse_spec
-from compiler.slabs import (
+from slabserve.compiler.spec import RequestClass, load_spec, parse_spec
+from slabserve.compiler.slabs import (
     NeedDistribution,
     SlabPlanError,
     evaluate_slabs,
@@ -17,7 +17,7 @@ from compiler.slabs import (
     plan_slabs,
     verify_slab_plan,
 )
-from runtime.units import round_up
+from slabserve.runtime.units import round_up
 
 GiB = 1024**3
 SMOLLM2_BPT = 2 * 30 * 3 * 64 * 4  # fp32 K and V, 30 layers, 3 KV heads of 64

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from _models import smollm2_path
-from runtime.loader import open_model
-from runtime.model import build_step, default_gemm
-from runtime.step import SeqChunk, StepInputs
-from runtime.tokenizer import Tokenizer
+from slabserve.runtime.loader import open_model
+from slabserve.runtime.model import build_step, default_gemm
+from slabserve.runtime.step import SeqChunk, StepInputs
+from slabserve.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +99,8 @@ def test_smollm2_greedy_matches_transformers(prompt_ids, reference):
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "16-together"])
 def test_engine_greedy_matches_transformers(prompt_ids, reference, batched):
-    from runtime.engine import Engine, EngineConfig, StoppingOptions
-    from runtime.slab_allocator import SlabClass
+    from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
+    from slabserve.runtime.slab_allocator import SlabClass
 
     ref, _ = reference
     engine = Engine(EngineConfig(str(smollm2_path()), (SlabClass(256, 16),), max_seqs=16, step_tokens=256))

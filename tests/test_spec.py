@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from compiler.spec import (
+from slabserve.compiler.spec import (
     GPUS,
     SpecError,
     default_buckets,
@@ -16,7 +16,7 @@ from compiler.spec import (
     resolve_model,
     spec_to_dict,
 )
-from runtime.units import format_bytes, parse_bytes
+from slabserve.runtime.units import format_bytes, parse_bytes
 
 GiB = 1024**3
 

@@ -15,7 +15,7 @@ from _tok_fixtures import (
 )
 from tokenizers import pre_tokenizers, processors
 
-from runtime.tokenizer import (
+from slabserve.runtime.tokenizer import (
     ChatTemplateError,
     IncrementalDetokenizer,
     Tokenizer,

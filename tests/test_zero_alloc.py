@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from _models import make_hf_model, smollm2_path
-from runtime.engine import Engine, EngineConfig, StoppingOptions
-from runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
+from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
+from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                               PlanViolationError, allocations, count_allocations, plan_sequential)
-from runtime.loader import open_model
-from runtime.model import build_step
-from runtime.sampler import Sampler, SamplingParams, make_generator
-from runtime.slab_allocator import SlabClass
-from runtime.step import SeqChunk, StepInputs
-from runtime.trace import export_step
+from slabserve.runtime.loader import open_model
+from slabserve.runtime.model import build_step
+from slabserve.runtime.sampler import Sampler, SamplingParams, make_generator
+from slabserve.runtime.slab_allocator import SlabClass
+from slabserve.runtime.step import SeqChunk, StepInputs
+from slabserve.runtime.trace import export_step
 
 BUCKETS, MAX_SEQS, KV_ROWS, STEADY_STEPS = (1, 4), 2, 128, 200
 

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from proto.slabserve.v1 import serving_pb2 as pb
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
-from tools._target import resident_bytes
-from tools._workload import Arrival, prompt_ids
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.tools._target import resident_bytes
+from slabserve.tools._workload import Arrival, prompt_ids
 
 _REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CANCELLED: "cancelled"}
 

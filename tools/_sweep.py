@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tools._stats import OK, REJECTED, distribution
+from slabserve.tools._stats import OK, REJECTED, distribution
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine import Engine, EngineConfig, StoppingOptions
-from runtime.loader import open_model
-from runtime.slab_allocator import SlabClass
+from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
+from slabserve.runtime.loader import open_model
+from slabserve.runtime.slab_allocator import SlabClass
 
 
 def bundled_model() -> Path:

@@ -17,10 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime.scheduler import Request, Scheduler  # noqa: E402
-from runtime.slab_allocator import SlabClass  # noqa: E402
+from slabserve.runtime.scheduler import Request, Scheduler
+from slabserve.runtime.slab_allocator import SlabClass
 
 # Sized for the workload mix of plans/llama3-8b-h100.yaml: chat (prompt 32-1024, output 32-512), rag (1024-4096,
 # 64-512), analysis (4096-6144, 512-2048); one class per mix entry, 304 slabs in all, so max_seqs (256) binds.

@@ -38,18 +38,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `tools.` (and the repository's packages) importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpc
 
-import grpc  # noqa: E402
-
-from proto.slabserve.v1 import serving_pb2 as pb  # noqa: E402
-from proto.slabserve.v1 import serving_pb2_grpc as pb_grpc  # noqa: E402
-from tools._driver import DriveOptions, RunResult, Target, run_schedule  # noqa: E402
-from tools._stats import summarize  # noqa: E402
-from tools._sweep import SweepPlan, step_figures, sweep  # noqa: E402
-from tools._target import TargetError, listening_pid, loopback_target  # noqa: E402
-from tools._workload import IDE_MIX, Arrival, Mix, WorkloadError, load_mix, load_trace, poisson_schedule  # noqa: E402
+from slabserve.proto.slabserve.v1 import serving_pb2 as pb
+from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
+from slabserve.tools._driver import DriveOptions, RunResult, Target, run_schedule
+from slabserve.tools._stats import summarize
+from slabserve.tools._sweep import SweepPlan, step_figures, sweep
+from slabserve.tools._target import TargetError, listening_pid, loopback_target
+from slabserve.tools._workload import IDE_MIX, Arrival, Mix, WorkloadError, load_mix, load_trace, poisson_schedule
 
 
 class LoadgenError(RuntimeError):
@@ -144,7 +141,7 @@ def describe(schedule: str, mix: Mix, window_s: float, plan_id: str) -> str:
 def write_run(document: dict, out_dir: Path, plots: bool, name: str = "loadgen.json") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     if plots:
-        from tools._plots import plot_run
+        from slabserve.tools._plots import plot_run
         document["plots"] = [p.name for p in plot_run(document, out_dir)]
     path = out_dir / name
     path.write_text(json.dumps(document, indent=1))
@@ -245,7 +242,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
                       "step_duration_s": args.step_duration, "min_step_requests": args.min_step_requests,
                       "server": info_to_dict(info), "seed": args.seed}
     if not args.no_plots:
-        from tools._plots import plot_sweep
+        from slabserve.tools._plots import plot_sweep
         result["plots"] = [plot_sweep(result, out / "sweep.png").name]
     path = out / "sweep.json"
     path.write_text(json.dumps(result, indent=1))

@@ -46,16 +46,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `tools.` (and the repository's packages) importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime.client import serving_status  # noqa: E402
-from tools._driver import DriveOptions  # noqa: E402
-from tools._stats import OK, REJECTED, distribution, in_window  # noqa: E402
-from tools._target import TargetError, loopback_target, resident_bytes  # noqa: E402
-from tools._workload import (IDE_MIX, Arrival, Mix, WorkloadError, largest_of_each_class, load_mix,  # noqa: E402
+from slabserve.runtime.client import serving_status
+from slabserve.tools._driver import DriveOptions
+from slabserve.tools._stats import OK, REJECTED, distribution, in_window
+from slabserve.tools._target import TargetError, loopback_target, resident_bytes
+from slabserve.tools._workload import (IDE_MIX, Arrival, Mix, WorkloadError, largest_of_each_class, load_mix,
                              poisson_schedule)
-from tools.loadgen import LoadgenError, connect, describe, execute, mix_to_dict, wait_idle, write_run  # noqa: E402
+from slabserve.tools.loadgen import LoadgenError, connect, describe, execute, mix_to_dict, wait_idle, write_run
 
 MiB = 1 << 20
 
@@ -211,7 +208,7 @@ def free_port() -> int:
 
 def start_server(bundle: str | None, port: int, log_path: Path, extra_args: Sequence[str]) -> subprocess.Popen:
     """`slabserve serve` on 127.0.0.1:port in its own process group, its output in log_path."""
-    cmd = [sys.executable, "-m", "runtime.server", *([bundle] if bundle else []), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "slabserve.runtime.server", *([bundle] if bundle else []), "--host", "127.0.0.1",
            "--port", str(port), "--metrics-port", "-1", "--grace-seconds", "5", *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:

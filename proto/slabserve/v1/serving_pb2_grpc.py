@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.slabserve.v1 import serving_pb2 as slabserve_dot_v1_dot_serving__pb2
+from slabserve.proto.slabserve.v1 import serving_pb2 as slabserve_dot_v1_dot_serving__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
