@@ -1,23 +1,30 @@
 """Admission by latency: refuse at once the request whose first token the server cannot deliver in time.
 
 Slabs and queue limits bound memory, not compute. On a machine where a full step takes a second, 32 running
-sequences and two waiting per class are enough to push every first token back by tens of seconds when requests
-arrive faster than the steps can prefill them. With `max_queue_delay_s` set, the scheduler also admits by time:
+sequences and a few waiting per class can push every first token back by tens of seconds when requests arrive
+faster than the steps can prefill them. Who decides how long is too long? The caller first: a request may carry a
+first-token deadline (its gRPC deadline, or the request's own `first_token_deadline_ms`), and the operator's
+`max_queue_delay_s` (the plan's `max_queue_delay_ms`; None: no cap) bounds every request's wait:
 
-- Every admitted request gets a first-token deadline: its arrival, plus the time its own prompt takes to prefill
-  on an otherwise idle server (`AdmissionView.seconds_for`), plus the wait it may have for work admitted before
-  it: `max_queue_delay_s`, or its own prefill time when that is longer (a 6k-token analysis that prefills for 20 s
-  may wait 20 s behind another one; a one-line completion waits no longer than the bound).
+- With a cap, every admitted request gets the server's promise of a first-token deadline: its arrival, plus the
+  time its own prompt takes to prefill on an otherwise idle server (`AdmissionView.seconds_for`), plus the wait it
+  may have for work admitted before it: `max_queue_delay_s`, or its own prefill time when that is longer (a
+  6k-token analysis that prefills for 20 s may wait 20 s behind another one). Without a cap there is no promise.
 - A new request is projected under the scheduler's prefill order (shortest remaining prompt first, the oldest
   prefilling sequence guaranteed its share of every step): its first token comes after the prompts shorter than
   its own, its own prompt, and the oldest sequence's share, plus the wait for a slab when none is free now. It is
-  refused (`DelayBoundError`, RESOURCE_EXHAUSTED) when that misses its deadline, or when the prefill work it puts
-  ahead of longer admitted prompts would make one of them miss its own.
+  refused (`DelayBoundError`, RESOURCE_EXHAUSTED with a retry pushback) when that misses its own deadline (the
+  caller's or the cap's, whichever is sooner), or when the prefill work it puts ahead of longer admitted prompts
+  would make one of them miss the server's promise.
+- A caller's deadline is checked once, at admission, and is not a promise the server keeps against later
+  arrivals (their callers' deadlines would then refuse everyone who came after): the caller's own deadline
+  cancels the call if the projection turns out wrong. A request with no deadline and no cap waits its turn,
+  bounded only by the slabs and the per-class queues.
 
 Step times are measured (an exponential average per bucket, seeded by the engine's warm-up), so the bound holds
 on the machine the server runs on rather than the one the plan was built on. Everything here is pure Python: the
-server runs `AdmissionView.admit` on a gRPC thread against the view published after the last step, so a refusal
-comes back without waiting for the step in progress.
+server runs `AdmissionView.admit` on a front door's thread against the view published after the last step, so a
+refusal comes back without waiting for the step in progress.
 """
 from __future__ import annotations
 
@@ -38,12 +45,13 @@ class OverloadedError(RuntimeError):
 
 class DelayBoundError(OverloadedError):
     """RESOURCE_EXHAUSTED: admitting this request would delay a first token (its own or an admitted request's)
-    past the plan's `max_queue_delay_ms`."""
+    past its deadline: the caller's, or the plan's `max_queue_delay_ms` (`bound_ms`, 0 when there is none)."""
 
     def __init__(self, class_index: int, late_ms: int, bound_ms: int, whose: str):
-        super().__init__(f"slab class {class_index}: with the prefill work already admitted, {whose} first token "
-                         f"would come about {late_ms} ms past its deadline (a wait of max_queue_delay_ms = "
-                         f"{bound_ms} ms, or of the prompt's own prefill time when longer); retry in about "
+        limit = "the caller's deadline" if whose.endswith("(the caller's deadline)") else (
+            f"a wait of max_queue_delay_ms = {bound_ms} ms, or of the prompt's own prefill time when longer")
+        super().__init__(f"slab class {class_index}: with the prefill work already admitted, {whose.split(' (')[0]} "
+                         f"first token would come about {late_ms} ms past its deadline ({limit}); retry in about "
                          f"{late_ms} ms")
         self.class_index = class_index
         self.late_ms = late_ms
@@ -92,7 +100,7 @@ class AdmissionView:
     `admit` both checks and records, so several requests checked against one view (between two steps) see each
     other. Not thread-safe: the caller holds a lock."""
 
-    def __init__(self, bound_s: float, pending: Iterable[Pending], oldest_seq_no: int | None, decoding: int,
+    def __init__(self, bound_s: float | None, pending: Iterable[Pending], oldest_seq_no: int | None, decoding: int,
                  step_tokens: int, buckets: Sequence[int], step_seconds: Mapping[int, float],
                  oldest_share: float, slab_wait_s: Sequence[float], next_seq_no: int):
         self.bound_s = bound_s
@@ -123,17 +131,23 @@ class AdmissionView:
         return seconds
 
     def deadline_for(self, prompt_tokens: int, now: float) -> float:
+        """The server's promise to a request arriving `now`: the cap's first-token deadline (math.inf: no cap)."""
+        if self.bound_s is None:
+            return math.inf
         own = self.seconds_for(prompt_tokens)
         return now + max(self.bound_s, own) + own
 
-    def admit(self, prompt_tokens: int, home: int, now: float) -> float:
-        """The deadline of a new request of `prompt_tokens` in slab class `home`, recorded in the view; or
-        DelayBoundError if it cannot be admitted without a first token missing its deadline."""
+    def admit(self, prompt_tokens: int, home: int, now: float, caller_deadline: float | None = None) -> float:
+        """The server's promised deadline for a new request of `prompt_tokens` in slab class `home` (math.inf:
+        none), recorded in the view; or DelayBoundError if it cannot be admitted without a first token missing
+        its deadline. `caller_deadline`: the clock() time by which the caller wants its first token (None: it
+        set none), checked for this request only."""
         if not self.measured:  # no step has been timed: no promise can be made, and none is recorded
             self._record(prompt_tokens, math.inf)
             return math.inf
-        deadline = self.deadline_for(prompt_tokens, now)
-        new = Pending(prompt_tokens, self._next_seq_no, deadline)
+        promise = self.deadline_for(prompt_tokens, now)
+        deadline = min(promise, math.inf if caller_deadline is None else caller_deadline)
+        new = Pending(prompt_tokens, self._next_seq_no, promise)
         entries = list(self._pending)
         insort(entries, new, key=_order)
         prefix = [0]
@@ -143,7 +157,7 @@ class AdmissionView:
         # the new request itself: the slab wait, then everything before it in the prefill order
         i = entries.index(new)
         late = now + self._slab_wait[home] + self.seconds_for(self._ahead(i, prefix, entries, oldest)) - deadline
-        whose = "its own"
+        whose = "its own" if deadline == promise else "its own (the caller's deadline)"
         # the admitted prompts it overtakes
         for j in range(i + 1, len(entries)):
             e = entries[j]
@@ -151,9 +165,9 @@ class AdmissionView:
             if miss > late and miss > 0:
                 late, whose = miss, "an admitted request's"
         if late > 0:
-            raise DelayBoundError(home, max(1, math.ceil(late * 1000)), round(self.bound_s * 1000), whose)
-        self._record(prompt_tokens, deadline)
-        return deadline
+            raise DelayBoundError(home, max(1, math.ceil(late * 1000)), round((self.bound_s or 0) * 1000), whose)
+        self._record(prompt_tokens, promise)
+        return promise
 
     def _record(self, prompt_tokens: int, deadline: float) -> None:
         insort(self._pending, Pending(prompt_tokens, self._next_seq_no, deadline), key=_order)

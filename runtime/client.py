@@ -7,6 +7,7 @@ with the subcommand ("generate", the default, or "health").
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -38,11 +39,24 @@ def build_request(text: str, chat: bool, max_tokens: int | None, temperature: fl
     return request
 
 
-def open_channel(addr: str, tls_ca: str | None = None) -> grpc.Channel:
-    """A channel to the server: TLS verified against the PEM file `tls_ca` when given, plaintext otherwise."""
+# gRPC's own retries: a call refused with RESOURCE_EXHAUSTED (a full queue, or a first token that would miss its
+# deadline) is sent again after the server's `grpc-retry-pushback-ms` trailer, up to 5 attempts within the call's
+# deadline. Nothing was streamed before such a refusal, so a retry never repeats output.
+RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": "slabserve.v1.SlabServe"}],
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "10s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["RESOURCE_EXHAUSTED"]}}]})
+CHANNEL_OPTIONS = (("grpc.enable_retries", 1), ("grpc.service_config", RETRY_SERVICE_CONFIG))
+
+
+def open_channel(addr: str, tls_ca: str | None = None, retry: bool = True) -> grpc.Channel:
+    """A channel to the server (retrying refusals as RETRY_SERVICE_CONFIG says, unless `retry` is False): TLS
+    verified against the PEM file `tls_ca` when given, plaintext otherwise."""
+    options = CHANNEL_OPTIONS if retry else ()
     if tls_ca is None:
-        return grpc.insecure_channel(addr)
-    return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes()))
+        return grpc.insecure_channel(addr, options=options)
+    return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes()),
+                               options=options)
 
 
 def auth_metadata(token_file: str | None) -> tuple[tuple[str, str], ...]:
@@ -54,6 +68,8 @@ def auth_metadata(token_file: str | None) -> tuple[tuple[str, str], ...]:
 
 def generate(args: argparse.Namespace) -> int:
     request = build_request(args.text, args.chat, args.max_tokens, args.temperature, args.seed)
+    if args.first_token_deadline_ms is not None:
+        request.first_token_deadline_ms = args.first_token_deadline_ms
     with open_channel(args.addr, args.tls_ca) as channel:
         stub = pb_grpc.SlabServeStub(channel)
         try:
@@ -71,7 +87,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def _finish(finished: pb.GenerationFinished) -> None:
-    sys.stdout.write(finished.text + "\n")
+    sys.stdout.write("\n")
     sys.stdout.flush()
     t, u = finished.timings, finished.usage
     print(f"[finish: {_REASONS.get(finished.reason, finished.reason)}; prompt {u.prompt_tokens} tokens, "
@@ -129,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, help="0 (the default) is greedy")
     gen.add_argument("--seed", type=int, help="seed for sampling")
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline of the call, in seconds")
+    gen.add_argument("--first-token-deadline-ms", type=int,
+                     help="refuse at once (and retry after the server's pushback) when the first token would "
+                          "come later than this")
     gen.add_argument("text", help="the prompt, or the user message with --chat")
     hl = sub.add_parser("health", help="wait until the server's health is SERVING (exit 1 on timeout)")
     hl.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT of the server")

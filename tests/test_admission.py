@@ -158,7 +158,7 @@ def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
 
 def test_off_by_default():
     s = Scheduler([SlabClass(512, 8)], 8, 32, BUCKETS, queue_limit=8)
-    assert s.admission_view() is None
+    assert s.admission_view().bound_s is None  # no cap: only callers' deadlines (none here) and the queues
     s.step_times.seed({32: 100.0})
     for i in range(8):
         s.submit(_req(f"r{i}", 400))

@@ -116,8 +116,6 @@ def _collect(call) -> tuple[tuple[int, ...], str, pb.GenerationFinished]:
             tokens.extend(response.token.token_ids)
             text.append(response.token.text)
         else:
-            tokens.extend(response.finished.token_ids)
-            text.append(response.finished.text)
             return tuple(tokens), "".join(text), response.finished
     raise AssertionError("stream ended without a finished event")
 
@@ -174,13 +172,16 @@ def test_64_concurrent_streams_match_the_engine(served, caplog):
 def test_streams_tokens_as_they_are_sampled(served):
     call = served.stub.Generate(pb.GenerateRequest(prompt="Count: one two three",
                                                    stopping=pb.StoppingOptions(max_tokens=6, ignore_eos=True)))
-    arrivals = []
+    arrivals, kinds = [], []
     for response in call:
         arrivals.append(time.monotonic())
+        kinds.append(response.WhichOneof("event"))
         if response.HasField("finished"):
             assert response.finished.usage.completion_tokens == 6
-    assert len(arrivals) == 6  # five token events then the final one carrying the sixth token
-    assert arrivals[-1] - arrivals[0] > 0.02  # spread over engine steps, not sent at the end
+        else:
+            assert len(response.token.token_ids) == 1
+    assert kinds == ["token"] * 6 + ["finished"]  # every token in a token event, then the end alone
+    assert arrivals[-2] - arrivals[0] > 0.02  # spread over engine steps, not sent at the end
 
 
 def test_cancel_200_streams_at_random_points_frees_every_slab(served):

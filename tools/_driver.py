@@ -165,11 +165,7 @@ async def _one_call(stub, request: pb.GenerateRequest, record: RequestRecord, li
                     first = t if first is None else first
                     last = t
                 continue
-            finished = response.finished
-            if finished.token_ids:
-                first = t if first is None else first
-                last = t
-            _finished(record, finished)
+            _finished(record, response.finished)
         record.status = "OK" if record.finish_reason is not None else "INCOMPLETE"
     except grpc.aio.AioRpcError as err:
         _failed(record, err)

