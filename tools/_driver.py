@@ -1,4 +1,5 @@
-"""The open-loop driver: sends a schedule of Generate calls over gRPC and records what each one saw.
+"""The open-loop driver: sends a schedule of Generate calls over gRPC, or of streamed `/v1/completions` calls over
+an OpenAI-compatible HTTP API (`Target.protocol`), and records what each one saw.
 
 Contract: `run_schedule(target, arrivals, options)` sends arrival i at `start + arrivals[i].offset_s` on its own
 asyncio task whatever the earlier calls are doing (open loop: a slow server never slows the arrivals), with a
@@ -6,10 +7,14 @@ prompt of exactly `prompt_tokens` random token ids and `max_tokens = output_toke
 are as long as drawn. While it runs it samples the server's resident memory and GetLoad about every
 `sample_interval_s`. After the last arrival it waits up to `drain_timeout_s` for the calls in flight, then cancels
 the rest and marks them `drain_cancelled`. Everything is measured on the monotonic clock, in seconds from start.
+Over HTTP the prompt is the same token ids (OpenAI's `prompt` as a list of ids), with `ignore_eos` (vLLM's and
+slabserve's extension), and a refusal's status is named as gRPC names it (429: RESOURCE_EXHAUSTED); there is no
+GetLoad to sample.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import sys
 import time
@@ -31,6 +36,14 @@ class Target:
     addr: str                 # a loopback HOST:PORT (checked by the caller)
     vocab_size: int           # from GetModelInfo: prompt ids are drawn below it
     server_pid: int | None    # whose VmRSS to sample; None: no memory samples
+    protocol: str = "grpc"    # "grpc" (slabserve.v1) or "http" (OpenAI-compatible, at http://addr/v1)
+    model: str = ""           # HTTP: the model to name in each request
+    api_key: str | None = None  # HTTP: sent as a bearer token
+
+
+# HTTP statuses as the records name them (gRPC's names, so both protocols' runs are judged alike)
+HTTP_STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "OUT_OF_RANGE",
+                     429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +124,11 @@ async def _drive(target: Target, arrivals: tuple[Arrival, ...], window_s: float,
     rss: list[tuple[float, int]] = []
     loads: list[dict] = []
     stop = asyncio.Event()
-    async with grpc.aio.insecure_channel(target.addr) as channel:
-        stub = pb_grpc.SlabServeStub(channel)
-        samplers = [asyncio.create_task(_sample_rss(target.server_pid, rss, now, options, stop)),
-                    asyncio.create_task(_sample_load(stub, loads, now, options, stop))]
+    async with grpc.aio.insecure_channel(target.addr) as channel, _http_client(target) as http:
+        stub = pb_grpc.SlabServeStub(channel) if target.protocol == "grpc" else _HttpStub(http, target)
+        samplers = [asyncio.create_task(_sample_rss(target.server_pid, rss, now, options, stop))]
+        if target.protocol == "grpc":
+            samplers.append(asyncio.create_task(_sample_load(stub, loads, now, options, stop)))
         progress = asyncio.create_task(_show_progress(live, len(arrivals), now, options, stop))
         # 1) launch every arrival at its time, each on its own task
         tasks = await _launch(stub, target, arrivals, live, now, options.seed, deadline_s)
@@ -151,6 +165,74 @@ async def _launch(stub, target: Target, arrivals: tuple[Arrival, ...], live: _Li
     return tasks
 
 
+def _http_client(target: Target):
+    import contextlib
+
+    if target.protocol != "http":
+        return contextlib.nullcontext(None)
+    import httpx
+
+    headers = {"authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    return httpx.AsyncClient(base_url=f"http://{target.addr}/v1", headers=headers, timeout=None,
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+
+class _HttpStub:
+    """Generate over OpenAI's streamed /v1/completions, yielding slabserve.v1 responses (so one recorder serves
+    both protocols), and raising _HttpError for an error status."""
+
+    def __init__(self, http, target: Target):
+        self._http = http
+        self._model = target.model
+
+    def Generate(self, request: pb.GenerateRequest, timeout: float):
+        return self._generate(request, timeout)
+
+    async def _generate(self, request: pb.GenerateRequest, timeout: float):
+        import httpx
+
+        body = {"model": self._model, "prompt": list(request.token_ids.ids), "temperature": 0,
+                "max_tokens": request.stopping.max_tokens, "ignore_eos": request.stopping.ignore_eos,
+                "stream": True, "stream_options": {"include_usage": True}}
+        async with self._http.stream("POST", "/completions", json=body,
+                                     timeout=httpx.Timeout(timeout, connect=10)) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise _HttpError(response)
+            reason = pb.FINISH_REASON_UNSPECIFIED
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise _HttpError(None, chunk["error"].get("message", ""))
+                for choice in chunk.get("choices") or ():
+                    if choice.get("text"):  # a text chunk stands for a token event (its ids are not sent)
+                        yield pb.GenerateResponse(token=pb.TokenOutput(token_ids=[0], text=choice["text"]))
+                    if choice.get("finish_reason"):
+                        reason = _HTTP_REASONS.get(choice["finish_reason"], pb.FINISH_REASON_CANCELLED)
+                usage = chunk.get("usage")
+                if usage:
+                    yield pb.GenerateResponse(finished=pb.GenerationFinished(
+                        reason=reason, usage=pb.Usage(prompt_tokens=usage["prompt_tokens"],
+                                                      completion_tokens=usage["completion_tokens"])))
+
+
+_HTTP_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+class _HttpError(Exception):
+    def __init__(self, response, message: str = ""):
+        self.status = HTTP_STATUS_NAMES.get(response.status_code, f"HTTP_{response.status_code}") \
+            if response is not None else "INTERNAL"
+        try:
+            message = message or response.json()["error"]["message"]
+        except Exception:  # noqa: BLE001 - not OpenAI's error body: keep the text
+            message = message or response.text
+        self.message = message
+        self.retry_after_ms = response.headers.get("retry-after-ms") if response is not None else None
+
+
 async def _one_call(stub, request: pb.GenerateRequest, record: RequestRecord, live: _Live, now,
                     deadline_s: float) -> None:
     record.sent_s = sent = now()
@@ -169,8 +251,15 @@ async def _one_call(stub, request: pb.GenerateRequest, record: RequestRecord, li
         record.status = "OK" if record.finish_reason is not None else "INCOMPLETE"
     except grpc.aio.AioRpcError as err:
         _failed(record, err)
+    except _HttpError as err:
+        record.status, record.error = err.status, err.message[:300]
+        if err.retry_after_ms and err.retry_after_ms.isdigit():
+            record.retry_after_ms = int(err.retry_after_ms)
     except asyncio.CancelledError:
-        call.cancel()
+        if isinstance(stub, _HttpStub):
+            await call.aclose()
+        else:
+            call.cancel()
         record.status = "CANCELLED"
     finally:
         record.end_s = now()

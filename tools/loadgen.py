@@ -81,19 +81,39 @@ def check_fits(arrivals: Sequence[Arrival], info: pb.GetModelInfoResponse) -> No
                            f"{worst.prompt_tokens} + {worst.output_tokens}; use a mix whose prompt + output fits")
 
 
-def connect(addr: str, server_pid: int | None) -> tuple[Target, pb.GetModelInfoResponse]:
+def http_model_info(addr: str, vocab_size: int, api_key: str | None = None) -> pb.GetModelInfoResponse:
+    """What an OpenAI-compatible server tells of its model (GET /v1/models), in GetModelInfo's shape: its id, and
+    its longest request (`max_model_len`, as vLLM and slabserve report it). The vocabulary size is not served, so
+    the caller gives one that holds for the model (prompt ids are drawn below it)."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"http://{addr}/v1/models", headers=headers, timeout=10)
+        response.raise_for_status()
+        model = response.json()["data"][0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+        raise LoadgenError(f"{addr}: GET /v1/models failed: {err}") from None
+    return pb.GetModelInfoResponse(model_name=model["id"], vocab_size=vocab_size,
+                                   max_request_tokens=int(model.get("max_model_len") or 1 << 30),
+                                   plan_id=str(model.get("plan_id", "")))
+
+
+def connect(addr: str, server_pid: int | None, protocol: str = "grpc", vocab_size: int = 32000,
+            api_key: str | None = None) -> tuple[Target, pb.GetModelInfoResponse]:
     """Check the address is loopback, ask the server for its model, and find its pid (for memory samples)."""
     _, port = loopback_target(addr)
-    info = model_info(addr)
+    info = model_info(addr) if protocol == "grpc" else http_model_info(addr, vocab_size, api_key)
     pid = server_pid if server_pid is not None else listening_pid(port)
     if pid is None:
         print(f"loadgen: no process found listening on port {port}; server memory will not be sampled "
               f"(give --server-pid)", file=sys.stderr)
-    return Target(addr, info.vocab_size, pid), info
+    return Target(addr, info.vocab_size, pid, protocol, info.model_name, api_key), info
 
 
 def wait_idle(addr: str, timeout_s: float) -> dict | None:
-    """Poll GetLoad until nothing runs or waits (or the timeout); the last load seen, None if unreachable."""
+    """Poll GetLoad until nothing runs or waits (or the timeout); the last load seen, None if unreachable (as an
+    HTTP-only server is: the caller then starts its next step after the drain alone)."""
     deadline = time.monotonic() + timeout_s
     last = None
     with grpc.insecure_channel(addr) as channel:
@@ -157,7 +177,7 @@ def execute(target: Target, info: pb.GetModelInfoResponse, arrivals: Sequence[Ar
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    target, info = connect(args.addr, args.server_pid)
+    target, info = _connect(args)
     mix = load_mix(args.mix) if args.mix else IDE_MIX
     if args.trace:
         arrivals = load_trace(args.trace, mix, args.seed)
@@ -204,7 +224,7 @@ def _ms(dist: dict | None, key: str) -> str:
 # ---- the sweep ----------------------------------------------------------------------------------------------------
 
 def _sweep_command(args: argparse.Namespace) -> int:
-    target, info = connect(args.addr, args.server_pid)
+    target, info = _connect(args)
     mix = load_mix(args.mix) if args.mix else IDE_MIX
     ttft_classes = tuple(c for c in (args.ttft_classes or "").split(",") if c)
     for name in ttft_classes:
@@ -231,7 +251,8 @@ def _sweep_command(args: argparse.Namespace) -> int:
         figures["duration_s"] = seconds
         print(f"sweep: {rate:g} req/s: {'pass' if figures['passed'] else 'FAIL'} ({figures['why']}; "
               f"{figures['completed_per_s']:.3f} completed/s, {figures['rejected']} rejected)", file=sys.stderr)
-        wait_idle(args.addr, args.drain_timeout)  # the next step starts on an idle server
+        if target.protocol == "grpc":
+            wait_idle(args.addr, args.drain_timeout)  # the next step starts on an idle server
         return figures
 
     result = sweep(plan, run_step)
@@ -270,8 +291,20 @@ def print_sweep(result: dict, path: Path) -> None:
 
 # ---- command line -------------------------------------------------------------------------------------------------
 
+def _connect(args: argparse.Namespace) -> tuple[Target, pb.GetModelInfoResponse]:
+    api_key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    return connect(args.addr, args.server_pid, args.protocol, args.vocab_size, api_key)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--addr", default="127.0.0.1:50051", help="loopback HOST:PORT of the server")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                        help="grpc: slabserve.v1 Generate; http: streamed /v1/completions of any OpenAI-compatible "
+                             "server at http://ADDR/v1 (token-id prompts, ignore_eos), e.g. slabserve serve "
+                             "--http-port")
+    parser.add_argument("--vocab-size", type=int, default=32000,
+                        help="with --protocol http: prompt ids are drawn below this (the API does not say)")
+    parser.add_argument("--api-key-file", help="with --protocol http: file holding the bearer token")
     parser.add_argument("--server-pid", type=int,
                         help="pid whose memory to sample (default: the process listening on the port)")
     parser.add_argument("--mix", help="workload mix YAML (default: the built-in IDE mix)")
