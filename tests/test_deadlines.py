@@ -59,7 +59,7 @@ def test_idle_default_plan_takes_a_burst_of_16_chats(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def saturated():
-    engine = Engine(EngineConfig(str(smollm2_path()), (SlabClass(64, 4), SlabClass(512, 6)), max_seqs=10,
+    engine = Engine(EngineConfig(str(smollm2_path()), (SlabClass(64, 4), SlabClass(512, 9)), max_seqs=13,
                                  step_tokens=64, queue_limit=16))
     server = create_server(engine, "127.0.0.1", 0)
     server.start()
@@ -76,8 +76,8 @@ def _long(i: int, n: int = 400) -> pb.GenerateRequest:
 def test_deadline_refused_at_once_with_pushback_and_a_retrying_client_gets_in(saturated):
     with grpc.insecure_channel(saturated.address) as plain:
         stub = pb_grpc.SlabServeStub(plain)
-        # 2,000 prompt tokens ahead in 64-token steps: several seconds of prefill
-        background = [stub.Generate(_long(i), timeout=300) for i in range(5)]
+        # 3,200 prompt tokens ahead in 64-token steps: several seconds of prefill
+        background = [stub.Generate(_long(i), timeout=300) for i in range(8)]
         time.sleep(0.5)  # all five admitted (the calls start when made)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
