@@ -47,20 +47,20 @@ class DelayBoundError(OverloadedError):
     """RESOURCE_EXHAUSTED: admitting this request would delay a first token (its own or an admitted request's)
     past its deadline: the caller's, or the plan's `max_queue_delay_ms` (`bound_ms`, 0 when there is none)."""
 
-    def __init__(self, class_index: int, late_ms: int, bound_ms: int, whose: str):
+    def __init__(self, class_index: int, late_ms: int, bound_ms: int, whose: str, retry_after_ms: int | None = None):
         limit = "the caller's deadline" if whose.endswith("(the caller's deadline)") else (
             f"a wait of max_queue_delay_ms = {bound_ms} ms, or of the prompt's own prefill time when longer")
         super().__init__(f"slab class {class_index}: with the prefill work already admitted, {whose.split(' (')[0]} "
                          f"first token would come about {late_ms} ms past its deadline ({limit}); retry in about "
-                         f"{late_ms} ms")
+                         f"{retry_after_ms or late_ms} ms")
         self.class_index = class_index
         self.late_ms = late_ms
         self.bound_ms = bound_ms
-        self.retry_after_ms = late_ms
+        self.retry_after_ms = retry_after_ms or late_ms
         self.whose = whose
 
     def __reduce__(self):
-        return (DelayBoundError, (self.class_index, self.late_ms, self.bound_ms, self.whose))
+        return (DelayBoundError, (self.class_index, self.late_ms, self.bound_ms, self.whose, self.retry_after_ms))
 
 
 class StepTimes:
@@ -165,7 +165,11 @@ class AdmissionView:
             if miss > late and miss > 0:
                 late, whose = miss, "an admitted request's"
         if late > 0:
-            raise DelayBoundError(home, max(1, math.ceil(late * 1000)), round((self.bound_s or 0) * 1000), whose)
+            # The work ahead shrinks as fast as the clock runs, so after `late` seconds the same request would just
+            # make it; one full step more is the margin that makes a retry land on the right side of it.
+            step = self._bucket_seconds(self._buckets[-1])
+            raise DelayBoundError(home, max(1, math.ceil(late * 1000)), round((self.bound_s or 0) * 1000), whose,
+                                  max(1, math.ceil((late + step) * 1000)))
         self._record(prompt_tokens, promise)
         return promise
 

@@ -44,7 +44,7 @@ def test_refuses_a_request_whose_shorter_work_ahead_exceeds_the_bound():
         v.admit(128, 1, now=0.0)
     e = err.value
     assert isinstance(e, OverloadedError) and e.class_index == 1 and e.bound_ms == 1000
-    assert e.late_ms == 500 and e.retry_after_ms == 500
+    assert e.late_ms == 500 and e.retry_after_ms == 625  # late, plus one full step of margin
     assert "its own first token" in str(e) and "max_queue_delay_ms" in str(e)
 
 

@@ -4,11 +4,9 @@ is about the client, and synthetic records where it is about the arithmetic. No 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -186,13 +184,13 @@ class _BarrierServicer(pb_grpc.SlabServeServicer):
                 self.all_in.set()
         if not self.all_in.wait(timeout=20):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the other requests never came")
-        for _ in range(2):
+        for _ in range(3):  # every token in a token event (proto 0.2.0)
             yield pb.GenerateResponse(token=pb.TokenOutput(token_ids=[7], text="x"))
         yield pb.GenerateResponse(finished=pb.GenerationFinished(
             reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=len(request.token_ids.ids),
                                                            completion_tokens=3),
             timings=pb.Timings(queue_seconds=0.0, time_to_first_token_seconds=0.01,
-                               time_per_output_token_seconds=0.001), token_ids=[7]))
+                               time_per_output_token_seconds=0.001)))
 
     def GetLoad(self, request, context):
         return pb.GetLoadResponse(classes=[pb.ClassLoad(index=0, tokens=64, free_slabs=4, total_slabs=4)])
