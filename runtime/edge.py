@@ -34,6 +34,7 @@ request_log = logging.getLogger("slabserve.requests")
 
 KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool"})
 DEFAULT_MAX_TOKENS = 128
+SINK_POLL_S = 1.0  # a reader waiting on its sink checks this often whether the engine thread still runs
 
 Prompt = str | tuple[int, ...] | list[dict[str, str]]
 
@@ -306,16 +307,25 @@ class Gateway:
 
         while True:
             try:
-                item = stream.sink.get(timeout=1.0)
+                event = self.received(stream.sink.get(timeout=SINK_POLL_S))
             except queue.Empty:
-                if self.loop.failure is not None:
-                    raise EngineFailed(f"the engine stopped: {self.loop.failure!r}") from None
+                self.check_alive()
                 continue
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished is not None:
+            yield event
+            if event.finished is not None:
                 return
+
+    def check_alive(self) -> None:
+        """What a reader does when its sink stays empty for SINK_POLL_S: raise EngineFailed if the engine stopped."""
+        if self.loop.failure is not None:
+            raise EngineFailed(f"the engine stopped: {self.loop.failure!r}")
+
+    @staticmethod
+    def received(item: GenerationEvent | BaseException) -> GenerationEvent:
+        """An item taken from a sink: the event, or the error the engine loop put there, raised."""
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def abort_by_client_id(self, request_id: str) -> bool:
         with self._lock:

@@ -73,16 +73,6 @@ def input_from_pb(message, limits: Limits) -> Prompt:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=s.temperature if s.HasField("temperature") else 0.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        min_p=s.min_p if s.HasField("min_p") else 0.0,
-        seed=s.seed if s.HasField("seed") else None,
-    )
-
-
 def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else 0.0,

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from slabserve.runtime.access import UNAUTHENTICATED_MESSAGE, Access
-from slabserve.runtime.edge import (STATUS_TABLE, Gateway, GenerationInput, Limits, RequestTooLargeError, Status,
+from slabserve.runtime.edge import (SINK_POLL_S, STATUS_TABLE, Gateway, GenerationInput, Limits, RequestTooLargeError, Status,
                                     Stream, UnknownModelError, first_token_by, status_for)
 from slabserve.runtime.engine import GenerationEvent
 from slabserve.runtime.engine_loop import EngineFailed
@@ -328,17 +328,15 @@ def create_app(gateway: Gateway, access: Access, limits: Limits) -> FastAPI:
         return await _whole(request, stream, sink, shape)
 
     async def _events(stream: Stream, sink: _AsyncSink) -> AsyncIterator[GenerationEvent]:
+        """The async twin of Gateway.events."""
         while True:
             try:
-                item = await sink.get(timeout=1.0)
+                event = gateway.received(await sink.get(timeout=SINK_POLL_S))
             except asyncio.TimeoutError:
-                if gateway.loop.failure is not None:
-                    raise EngineFailed(f"the engine stopped: {gateway.loop.failure!r}") from None
+                gateway.check_alive()
                 continue
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished is not None:
+            yield event
+            if event.finished is not None:
                 return
 
     async def _stream(stream: Stream, sink: _AsyncSink, shape: _Shape, include_usage: bool) -> AsyncIterator[bytes]:

@@ -104,6 +104,15 @@ class ServerProcess:
         self.proc.wait()
 
 
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) for localhost and 127.0.0.1, made by the openssl command (tests skip without it)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
 def health(channel: grpc.Channel) -> int:
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 

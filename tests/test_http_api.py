@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from _models import make_served_tiny_model, smollm2_path
-from _served_process import ServerProcess, build_tiny_bundle, idle_load
+from _served_process import ServerProcess, build_tiny_bundle, idle_load, self_signed_cert
 from slabserve.proto.slabserve.v1 import serving_pb2 as pb
 from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 from slabserve.runtime.edge import STATUS_TABLE, Limits
@@ -227,10 +226,7 @@ def test_503_until_warm_then_401_without_the_token(tiny_engine):
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_on_both_doors(tiny_engine, tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path)
     access = Access.from_files(None, str(cert), str(key))
     server = create_server(tiny_engine, "127.0.0.1", 0, http_port=0, access=access)
     server.start()

@@ -11,7 +11,6 @@ import grpc
 import pytest
 
 from _models import make_served_tiny_model
-from slabserve.proto.slabserve.v1 import serving_pb2 as pb
 from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 from slabserve.runtime.edge import STATUS_TABLE
 from slabserve.runtime.engine import Engine, EngineConfig

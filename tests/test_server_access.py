@@ -3,13 +3,13 @@ says so) and TLS with a certificate made here by openssl."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from _models import make_served_tiny_model
+from _served_process import self_signed_cert
 from slabserve.proto.slabserve.v1 import serving_pb2 as pb
 from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 from slabserve.runtime.engine import Engine, EngineConfig
@@ -80,10 +80,7 @@ def test_open_health_answers_probes_without_the_token(engine):
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls(engine, tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path)
     server = _serve(engine, Access(tls_cert=cert.read_bytes(), tls_key=key.read_bytes()))
     try:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())

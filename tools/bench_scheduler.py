@@ -13,9 +13,7 @@ import argparse
 import gc
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 from slabserve.runtime.scheduler import Request, Scheduler
 from slabserve.runtime.slab_allocator import SlabClass
