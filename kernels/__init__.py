@@ -18,24 +18,25 @@ from __future__ import annotations
 import importlib
 
 from slabserve.kernels.ops import (
-    kv_write,
-    rms_norm,
-    rope,
-    silu_mul,
-    slab_decode_attention,
-    slab_prefill_attention,
-)
+                                   kv_write,
+                                   rms_norm,
+                                   rope,
+                                   silu_mul,
+                                   slab_decode_attention,
+                                   slab_prefill_attention,
+                                   )
 from slabserve.kernels.reference import (
-    kv_write_ref,
-    rms_norm_ref,
-    rope_ref,
-    silu_mul_ref,
-    slab_decode_attention_ref,
-    slab_prefill_attention_ref,
-    prefill_workspace_numel,
-    cpu_workspace_numel,
-)
-from slabserve.kernels.workspace import DecodeWorkspaceSpec, decode_num_splits, decode_workspace_shape, new_decode_workspace
+                                         kv_write_ref,
+                                         rms_norm_ref,
+                                         rope_ref,
+                                         silu_mul_ref,
+                                         slab_decode_attention_ref,
+                                         slab_prefill_attention_ref,
+                                         prefill_workspace_numel,
+                                         cpu_workspace_numel,
+                                         )
+from slabserve.kernels.workspace import (DecodeWorkspaceSpec, decode_num_splits, decode_workspace_shape,
+                                        new_decode_workspace)
 
 _TRITON_EXPORTS = {
     "rms_norm_triton": "slabserve.kernels.triton_rmsnorm",

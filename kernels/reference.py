@@ -25,15 +25,15 @@ from collections.abc import Callable
 import torch
 
 from slabserve.kernels.contracts import (
-    PANEL,
-    check_kv_write,
-    check_linear,
-    check_rms_norm,
-    check_rope,
-    check_silu_mul,
-    check_slab_decode_attention,
-    check_slab_prefill_attention,
-)
+                                         PANEL,
+                                         check_kv_write,
+                                         check_linear,
+                                         check_rms_norm,
+                                         check_rope,
+                                         check_silu_mul,
+                                         check_slab_decode_attention,
+                                         check_slab_prefill_attention,
+                                         )
 
 Run = Callable[[], None]
 

@@ -1,9 +1,9 @@
 """Generate the Python stubs of proto/slabserve/v1/*.proto with grpc_tools (a dev dependency).
 
 The stubs are committed beside the protos, so a serving image needs neither protoc nor grpcio-tools; they are never
-edited by hand. `python -m slabserve.proto.build` (or `make proto`) rewrites them; `python -m slabserve.proto.build --check` exits 1,
-naming the stale files, when they differ from what the protos generate now (tests/test_proto.py runs the same
-check). Only the lines that record which protobuf/grpcio-tools wrote a file are ignored by the check: a newer
+edited by hand. `python -m slabserve.proto.build` (or `make proto`) rewrites them; `python -m slabserve.proto.build
+--check` exits 1, naming the stale files, when they differ from what the protos generate now (tests/test_proto.py
+runs the same check). Only the lines that record which protobuf/grpcio-tools wrote a file are ignored by the check: a newer
 grpcio-tools that generates the same code otherwise is not drift.
 
 protoc writes `from slabserve.v1 import serving_pb2` into the gRPC stubs (import paths follow the `-I` root); the

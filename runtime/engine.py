@@ -21,7 +21,7 @@ import torch
 from slabserve.runtime.bundle_checks import (DTYPES, PlanMismatchError, check_fingerprints, check_gemm_runs_here,
                                              check_graph_fingerprints, check_weight_layout, plan_model_path)
 from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
-                              check_no_allocations, plan_sequential)
+                                        check_no_allocations, plan_sequential)
 from slabserve.runtime.loader import GGUFSource, WeightSource, open_model
 from slabserve.runtime.graph_io import GRAPHS_FILE, read_programs
 from slabserve.runtime.plan import read_plan_and_id

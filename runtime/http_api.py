@@ -32,8 +32,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from slabserve.runtime.access import UNAUTHENTICATED_MESSAGE, Access
-from slabserve.runtime.edge import (SINK_POLL_S, STATUS_TABLE, Gateway, GenerationInput, Limits, RequestTooLargeError, Status,
-                                    Stream, UnknownModelError, first_token_by, status_for)
+from slabserve.runtime.edge import (SINK_POLL_S, STATUS_TABLE, Gateway, GenerationInput, Limits,
+                                    RequestTooLargeError, Status, Stream, UnknownModelError, first_token_by,
+                                    status_for)
 from slabserve.runtime.engine import GenerationEvent
 from slabserve.runtime.engine_loop import EngineFailed
 from slabserve.runtime.sampler import SamplingParams

@@ -23,7 +23,7 @@ from slabserve.tools._stats import percentile, summarize
 from slabserve.tools._sweep import SweepPlan, step_figures, sweep
 from slabserve.tools._target import TargetError, loopback_target
 from slabserve.tools._workload import (Arrival, WorkloadError, largest_of_each_class, load_trace, mix_from_dict,
-                             poisson_schedule)
+                                       poisson_schedule)
 
 MiB = 1 << 20
 TINY_MIX = {"name": "tiny", "classes": [

@@ -9,15 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slabserve.compiler.memplan import (
-    Placement,
-    PlanError,
-    SharedPlacement,
-    TensorSpec,
-    plan_best_fit,
-    plan_shared,
-    verify,
-    verify_shared,
-)
+                                        Placement,
+                                        PlanError,
+                                        SharedPlacement,
+                                        TensorSpec,
+                                        plan_best_fit,
+                                        plan_shared,
+                                        verify,
+                                        verify_shared,
+                                        )
 
 
 def T(name: str, nbytes: int, first: int, last: int) -> TensorSpec:

@@ -88,7 +88,8 @@ def test_serve_and_generate_dispatch(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     assert main(["serve", "build/smollm2", "--port", "0"]) == 0
     assert main(["generate", "--prompt", "hi"]) == 0
-    assert seen == {"slabserve.runtime.server": ["build/smollm2", "--port", "0"], "slabserve.runtime.client": ["--prompt", "hi"]}
+    assert seen == {"slabserve.runtime.server": ["build/smollm2", "--port", "0"],
+                    "slabserve.runtime.client": ["--prompt", "hi"]}
 
 
 def test_missing_runtime_module_is_a_clear_error(monkeypatch, capsys):

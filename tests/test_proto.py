@@ -78,5 +78,6 @@ def test_runtime_imports_no_compiler():
     import subprocess
     import sys
 
-    code = "import sys, slabserve.runtime.server, slabserve.runtime.client; sys.exit(any(m.startswith('slabserve.compiler') for m in sys.modules))"
+    code = ("import sys, slabserve.runtime.server, slabserve.runtime.client; "
+            "sys.exit(any(m.startswith('slabserve.compiler') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], cwd=build.ROOT.parent).returncode == 0

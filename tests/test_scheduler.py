@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slabserve.runtime.scheduler import (FinishReason, InvalidRequestError, OutOfRangeError, QueueFullError, Request,
-                               ScheduledStep, Scheduler, TokenEvent)
+                                         ScheduledStep, Scheduler, TokenEvent)
 from slabserve.runtime.slab_allocator import Slab, SlabAllocator, SlabClass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

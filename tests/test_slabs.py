@@ -7,16 +7,16 @@ from hypothesis import strategies as st
 
 from slabserve.compiler.spec import RequestClass, load_spec, parse_spec
 from slabserve.compiler.slabs import (
-    NeedDistribution,
-    SlabPlanError,
-    evaluate_slabs,
-    kv_bytes_per_token,
-    needs_from_mix,
-    needs_from_pairs,
-    plan_kv,
-    plan_slabs,
-    verify_slab_plan,
-)
+                                      NeedDistribution,
+                                      SlabPlanError,
+                                      evaluate_slabs,
+                                      kv_bytes_per_token,
+                                      needs_from_mix,
+                                      needs_from_pairs,
+                                      plan_kv,
+                                      plan_slabs,
+                                      verify_slab_plan,
+                                      )
 from slabserve.runtime.units import round_up
 
 GiB = 1024**3

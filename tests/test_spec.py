@@ -8,14 +8,14 @@ import pytest
 import yaml
 
 from slabserve.compiler.spec import (
-    GPUS,
-    SpecError,
-    default_buckets,
-    load_spec,
-    parse_spec,
-    resolve_model,
-    spec_to_dict,
-)
+                                     GPUS,
+                                     SpecError,
+                                     default_buckets,
+                                     load_spec,
+                                     parse_spec,
+                                     resolve_model,
+                                     spec_to_dict,
+                                     )
 from slabserve.runtime.units import format_bytes, parse_bytes
 
 GiB = 1024**3

@@ -16,11 +16,11 @@ from _tok_fixtures import (
 from tokenizers import pre_tokenizers, processors
 
 from slabserve.runtime.tokenizer import (
-    ChatTemplateError,
-    IncrementalDetokenizer,
-    Tokenizer,
-    TokenizerFileError,
-)
+                                         ChatTemplateError,
+                                         IncrementalDetokenizer,
+                                         Tokenizer,
+                                         TokenizerFileError,
+                                         )
 
 FFFD = "\ufffd"
 

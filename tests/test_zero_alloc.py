@@ -11,7 +11,7 @@ import torch
 from _models import make_hf_model, smollm2_path
 from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
 from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
-                              PlanViolationError, allocations, count_allocations, plan_sequential)
+                                        PlanViolationError, allocations, count_allocations, plan_sequential)
 from slabserve.runtime.loader import open_model
 from slabserve.runtime.model import build_step
 from slabserve.runtime.sampler import Sampler, SamplingParams, make_generator

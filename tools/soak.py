@@ -51,7 +51,7 @@ from slabserve.tools._driver import DriveOptions
 from slabserve.tools._stats import OK, REJECTED, distribution, in_window
 from slabserve.tools._target import TargetError, loopback_target, resident_bytes
 from slabserve.tools._workload import (IDE_MIX, Arrival, Mix, WorkloadError, largest_of_each_class, load_mix,
-                             poisson_schedule)
+                                       poisson_schedule)
 from slabserve.tools.loadgen import LoadgenError, connect, describe, execute, mix_to_dict, wait_idle, write_run
 
 MiB = 1 << 20
