@@ -255,7 +255,13 @@ class Gateway:
 
     @property
     def model_name(self) -> str:
+        """The model's own name (its metadata, or its file name): GetModelInfo's `model_name`."""
         return self.engine.model_config.name or Path(self.engine.config.model).name
+
+    @property
+    def served_name(self) -> str:
+        """The name clients ask for over HTTP (`model`, `/v1/models`): the plan's name, or the model's without one."""
+        return self.engine.plan_name or self.model_name
 
     def check_serving(self) -> None:
         if self.state != "serving":

@@ -151,6 +151,7 @@ class Engine:
         self._backlog: list[GenerationEvent] = []  # events `generate`/`stream` saw for requests they don't own
         self._seed_source = random.Random()
         self.plan_id = ""  # sha256 of the bundle's plan.msgpack when built by from_plan
+        self.plan_name = ""  # the spec's `name` when built by from_plan
         self.warmed_on: int | None = None  # thread ident of the last warm-up; step() refuses to run before one
         if warm_up:
             self.warm_up()
@@ -177,6 +178,7 @@ class Engine:
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
                      fingerprints, graphs, warm_up=warm_up)
         engine.plan_id = plan_id
+        engine.plan_name = plan.name
         return engine
 
     # ---- requests in ----------------------------------------------------------------------------------------------

@@ -294,7 +294,7 @@ def create_app(gateway: Gateway, access: Access, limits: Limits) -> FastAPI:
     async def models() -> Response:
         engine = gateway.engine
         return JSONResponse({"object": "list", "data": [{
-            "id": gateway.model_name, "object": "model", "created": 0, "owned_by": "slabserve",
+            "id": gateway.served_name, "object": "model", "created": 0, "owned_by": "slabserve",
             "max_model_len": engine.scheduler.max_request_tokens, "plan_id": engine.plan_id}]})
 
     @app.post("/v1/chat/completions")
@@ -313,7 +313,7 @@ def create_app(gateway: Gateway, access: Access, limits: Limits) -> FastAPI:
         try:
             gateway.check_serving()
             body = await _read_json(request, limits.max_message_bytes)
-            g, options = (chat_input if chat else completion_input)(body, gateway.model_name, peer)
+            g, options = (chat_input if chat else completion_input)(body, gateway.served_name, peer)
             sink = _AsyncSink(asyncio.get_running_loop())
             stream = await run_in_threadpool(gateway.open, g, record, started, sink)
         except Exception as exc:  # noqa: BLE001 - every error leaves through the status table
@@ -321,7 +321,7 @@ def create_app(gateway: Gateway, access: Access, limits: Limits) -> FastAPI:
             record["http_status"] = status.row.http_status
             gateway.log(record, started, status.row.grpc_code, None, status.message)
             return error_response(status)
-        shape = _Shape(chat, stream.request_id, gateway.model_name)
+        shape = _Shape(chat, stream.request_id, gateway.served_name)
         if options["stream"]:
             return StreamingResponse(_stream(stream, sink, shape, options["include_usage"]),
                                      media_type="text/event-stream",

@@ -45,7 +45,7 @@ def _client(server, **kw) -> openai.OpenAI:
 
 
 def _model(server) -> str:
-    return server.gateway.model_name
+    return server.gateway.served_name
 
 
 def _grpc_text(stub, request: pb.GenerateRequest) -> tuple[str, int]:
@@ -218,7 +218,7 @@ def test_503_until_warm_then_401_without_the_token(tiny_engine):
         _error(httpx.post(f"{base}/v1/completions", json=body, headers={"authorization": "Bearer nope"}), 401, None)
         assert httpx.get(f"{base}/v1/models").status_code == 401
         ok = openai.OpenAI(base_url=f"{base}/v1", api_key="t0k", max_retries=0).completions.create(
-            model=server.gateway.model_name, prompt="hello", max_tokens=2, extra_body={"ignore_eos": True})
+            model=server.gateway.served_name, prompt="hello", max_tokens=2, extra_body={"ignore_eos": True})
         assert ok.usage.completion_tokens == 2
     finally:
         server.stop()
@@ -234,7 +234,7 @@ def test_tls_on_both_doors(tiny_engine, tmp_path):
     try:
         client = openai.OpenAI(base_url=f"https://localhost:{server.http.port}/v1", api_key="x", max_retries=0,
                                http_client=httpx.Client(verify=str(cert)))
-        done = client.completions.create(model=server.gateway.model_name, prompt="hi", max_tokens=3,
+        done = client.completions.create(model=server.gateway.served_name, prompt="hi", max_tokens=3,
                                          extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 3
         with pytest.raises(httpx.HTTPError):  # plaintext cannot talk to it
