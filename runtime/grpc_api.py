@@ -125,6 +125,7 @@ class SlabServeServicer(pb_grpc.SlabServeServicer):
                                   "open": True}
         stream = None
         try:
+            self.gateway.check_serving()  # warming up or draining: UNAVAILABLE before anything else
             g = generation_from_pb(request, self.limits, context.time_remaining(), context.peer())
             stream = self.gateway.open(g, record, started)
             if not context.add_callback(lambda: self._on_terminated(context, stream)):
