@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
+
+
+class Launch(NamedTuple):
+    """What a wrapper passes a kernel besides tensors: its constexprs and warps. One function per kernel computes
+    it from the model's sizes, so the launch and CI's sm_90 compile check (tests/test_kernels.py) agree."""
+
+    constexprs: dict
+    num_warps: int
 
 
 def block_size(n: int, minimum: int = 1) -> int:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slabserve.kernels._triton_util import block_size
+from slabserve.kernels._triton_util import Launch, block_size
 from slabserve.kernels.contracts import check_kv_write
 
 
@@ -31,12 +31,17 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
     tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
 
 
+def kv_write_launch(num_kv_heads: int, head_dim: int) -> Launch:
+    return Launch({"BLOCK_H": block_size(num_kv_heads), "BLOCK_D": block_size(head_dim)}, 4)
+
+
 def kv_write_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
     check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens:
+        launch = kv_write_launch(num_kv_heads, head_dim)
         _kv_write_kernel[(num_tokens,)](
             k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            num_kv_heads, head_dim, BLOCK_H=block_size(num_kv_heads), BLOCK_D=block_size(head_dim), num_warps=4,
+            num_kv_heads, head_dim, **launch.constexprs, num_warps=launch.num_warps,
         )

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slabserve.kernels._triton_util import block_size
+from slabserve.kernels._triton_util import Launch, block_size
 from slabserve.kernels.contracts import check_rms_norm
 
 
@@ -26,14 +26,17 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_out, hidden, e
     tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_launch(hidden: int) -> Launch:
+    return Launch({"BLOCK_N": block_size(hidden)}, 4 if hidden <= 4096 else 8)
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
                     workspace: torch.Tensor | None = None) -> torch.Tensor:
     """`workspace` matches the reference's signature; the kernel keeps its statistics in registers."""
     check_rms_norm(x, weight, out)
     num_tokens, hidden = x.shape
     if num_tokens:
-        _rms_norm_kernel[(num_tokens,)](
-            x, weight, out, x.stride(0), out.stride(0), hidden, eps,
-            BLOCK_N=block_size(hidden), num_warps=4 if hidden <= 4096 else 8,
-        )
+        launch = rms_norm_launch(hidden)
+        _rms_norm_kernel[(num_tokens,)](x, weight, out, x.stride(0), out.stride(0), hidden, eps,
+                                        **launch.constexprs, num_warps=launch.num_warps)
     return out

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slabserve.kernels._triton_util import block_size
+from slabserve.kernels._triton_util import Launch, block_size
 from slabserve.kernels.contracts import check_rope
 
 
@@ -43,15 +43,19 @@ def _rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_qt, stride_qh,
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, half, cos, sin, BLOCK_HK, BLOCK_HALF)
 
 
+def rope_launch(num_heads: int, num_kv_heads: int, head_dim: int) -> Launch:
+    return Launch({"BLOCK_HQ": block_size(num_heads), "BLOCK_HK": block_size(num_kv_heads),
+                   "BLOCK_HALF": block_size(head_dim // 2)}, 4)
+
+
 def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 workspace: torch.Tensor | None = None) -> None:
     """`workspace` matches the reference's signature; the kernel rotates in registers."""
     check_rope(q, k, positions, cos_sin)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens:
+        launch = rope_launch(num_heads, k.shape[1], head_dim)
         _rope_kernel[(num_tokens,)](
             q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            num_heads, k.shape[1], head_dim // 2,
-            BLOCK_HQ=block_size(num_heads), BLOCK_HK=block_size(k.shape[1]), BLOCK_HALF=block_size(head_dim // 2),
-            num_warps=4,
+            num_heads, k.shape[1], head_dim // 2, **launch.constexprs, num_warps=launch.num_warps,
         )

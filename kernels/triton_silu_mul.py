@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slabserve.kernels._triton_util import block_size
+from slabserve.kernels._triton_util import Launch, block_size
 from slabserve.kernels.contracts import check_silu_mul
 
 _BLOCK_COLS = 1024
@@ -27,12 +27,16 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: 
     tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def silu_mul_launch(inter: int) -> Launch:
+    return Launch({"BLOCK": min(_BLOCK_COLS, block_size(inter))}, 4)
+
+
 def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     check_silu_mul(gate_up, out)
     num_tokens, inter = out.shape
-    block = min(_BLOCK_COLS, block_size(inter))
+    launch = silu_mul_launch(inter)
     if num_tokens and inter:
-        _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+        _silu_mul_kernel[(num_tokens, triton.cdiv(inter, launch.constexprs["BLOCK"]))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, **launch.constexprs, num_warps=launch.num_warps,
         )
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slabserve.kernels._triton_util import block_size, dot_precision
+from slabserve.kernels._triton_util import Launch, block_size, dot_precision
 from slabserve.kernels.contracts import check_slab_decode_attention, check_slab_prefill_attention
 from slabserve.kernels.workspace import decode_workspace_shape, new_decode_workspace
 
@@ -172,10 +172,31 @@ def _slab_decode_reduce_kernel(workspace_ptr, out_ptr, stride_os, stride_oh, hea
              mask=dims < head_dim)
 
 
-def _prefill_tiles(group: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_Q): rows per tile and tokens per tile for GROUP query heads per kv head."""
+def prefill_launch(group: int, head_dim: int, dtype: torch.dtype) -> Launch:
+    """BLOCK_M rows per tile (BLOCK_Q tokens x GROUP query heads of one kv head). 4 warps hold a 64 x 64 tile in
+    half precision; wider tiles, and fp32 (exact fp32 dots), need more registers than 4 warps have (sm_90: 255 a
+    thread; compiled with 4 they spilled 144 bytes a thread at head_dim 128 in bf16, 1,448 at head_dim 64 in fp32),
+    so they get 8, and fp32 also takes 32 keys a tile (8 warps still spilled 376 bytes with 64). CI compiles every
+    model's launch for sm_90 and fails on any spill (tests/test_kernels.py)."""
     block_m = max(_PREFILL_BLOCK_M, block_size(group))
-    return block_m, block_m // group
+    block_d = block_size(head_dim, 16)
+    exact = dtype == torch.float32
+    return Launch({"GROUP": group, "BLOCK_M": block_m, "BLOCK_Q": block_m // group,
+                   "BLOCK_N": _BLOCK_N // 2 if exact else _BLOCK_N, "BLOCK_D": block_d,
+                   "DOT_PRECISION": dot_precision(dtype)}, 4 if block_d <= 64 and not exact else 8)
+
+
+def decode_split_launch(group: int, head_dim: int, num_splits: int, dtype: torch.dtype) -> Launch:
+    """One kv head's GROUP query rows against a split of its keys; 8 warps past 64 dims, as for prefill (4 spilled
+    112 bytes a thread at head_dim 128 in bf16)."""
+    block_d = block_size(head_dim, 16)
+    return Launch({"NUM_SPLITS": num_splits, "GROUP": group, "BLOCK_G": block_size(group, 16), "BLOCK_N": _BLOCK_N,
+                   "BLOCK_D": block_d, "DOT_PRECISION": dot_precision(dtype)}, 4 if block_d <= 64 else 8)
+
+
+def decode_reduce_launch(head_dim: int, num_splits: int) -> Launch:
+    return Launch({"NUM_SPLITS": num_splits, "BLOCK_SPLITS": block_size(num_splits), "BLOCK_D": block_size(head_dim)},
+                  4)
 
 
 def slab_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -186,16 +207,14 @@ def slab_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out, workspace)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = slab_offset.shape[0], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    block_m, block_q = _prefill_tiles(group)
+    launch = prefill_launch(num_heads // num_kv_heads, head_dim, q.dtype)
     if num_tokens == 0:
         return out
-    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)  # see _find_sequence: covers every row
+    grid = (triton.cdiv(num_tokens, launch.constexprs["BLOCK_Q"]) + num_seqs, num_kv_heads)  # see _find_sequence
     _slab_prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start, slab_offset, context_len, num_seqs, num_tokens, scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), head_dim,
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_BLOCK_N, BLOCK_D=block_size(head_dim, 16),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+        **launch.constexprs, num_warps=launch.num_warps,
     )
     return out
 
@@ -210,15 +229,13 @@ def slab_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         spec = decode_workspace_shape(num_seqs, num_heads, head_dim, max_context=k_cache.shape[0])
         workspace = new_decode_workspace(spec, q.device)
     num_splits = workspace.shape[2]
-    group = num_heads // num_kv_heads
+    split = decode_split_launch(num_heads // num_kv_heads, head_dim, num_splits, q.dtype)
     _slab_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, slab_offset, context_len, workspace, scale * LOG2_E,
-        q.stride(0), q.stride(1), k_cache.stride(0), head_dim,
-        NUM_SPLITS=num_splits, GROUP=group, BLOCK_G=block_size(group, 16), BLOCK_N=_BLOCK_N,
-        BLOCK_D=block_size(head_dim, 16), DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+        q.stride(0), q.stride(1), k_cache.stride(0), head_dim, **split.constexprs, num_warps=split.num_warps,
     )
+    reduce = decode_reduce_launch(head_dim, num_splits)
     _slab_decode_reduce_kernel[(num_seqs, num_heads)](
-        workspace, out, out.stride(0), out.stride(1), head_dim,
-        NUM_SPLITS=num_splits, BLOCK_SPLITS=block_size(num_splits), BLOCK_D=block_size(head_dim), num_warps=4,
+        workspace, out, out.stride(0), out.stride(1), head_dim, **reduce.constexprs, num_warps=reduce.num_warps,
     )
     return out

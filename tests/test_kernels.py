@@ -533,23 +533,65 @@ _POINTER_TYPES = {"cos_sin_ptr": "*fp32", "positions_ptr": "*i64", "slot_mapping
                   "query_start_ptr": "*i32", "slab_offset_ptr": "*i64", "context_len_ptr": "*i32",
                   "workspace_ptr": "*fp32"}
 _FLOAT_SCALARS = {"eps", "scale_log2"}
-# (module, kernel, constexprs) at SmolLM2's sizes: hidden 576, 9 heads / 3 kv heads, head_dim 64, inter 1536
-COMPILE_CASES = {
-    "rms_norm": ("kernels.triton_rmsnorm", "_rms_norm_kernel", {"BLOCK_N": 1024}),
-    "rope": ("kernels.triton_rope", "_rope_kernel", {"BLOCK_HQ": 16, "BLOCK_HK": 4, "BLOCK_HALF": 32}),
-    "silu_mul": ("kernels.triton_silu_mul", "_silu_mul_kernel", {"BLOCK": 1024}),
-    "kv_write": ("kernels.triton_kv_write", "_kv_write_kernel", {"BLOCK_H": 4, "BLOCK_D": 64}),
-    "slab_prefill": ("kernels.triton_slab_attention", "_slab_prefill_kernel",
-                     {"GROUP": 3, "BLOCK_M": 64, "BLOCK_Q": 21, "BLOCK_N": 64, "BLOCK_D": 64}),
-    "slab_decode_split": ("kernels.triton_slab_attention", "_slab_decode_split_kernel",
-                          {"NUM_SPLITS": 4, "GROUP": 3, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 64}),
-    "slab_decode_reduce": ("kernels.triton_slab_attention", "_slab_decode_reduce_kernel",
-                           {"NUM_SPLITS": 4, "BLOCK_SPLITS": 4, "BLOCK_D": 64}),
+# The models CI compiles for: sizes from their configs, the dtypes they serve in, the plan's longest slab (which
+# sets the decode splits). Buckets set only the grids, never a constexpr, so every bucket runs these binaries.
+MODEL_SHAPES = {
+    "smollm2": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, inter=1536, max_context=8192,
+                    dtypes=("fp32", "fp16", "bf16")),
+    "llama3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, max_context=8192,
+                      dtypes=("bf16",)),
 }
-COMPILE_DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+COMPILE_DTYPES = {"fp32": ("*fp32", torch.float32), "fp16": ("*fp16", torch.float16),
+                  "bf16": ("*bf16", torch.bfloat16)}
+# sm_90 (H100/H200) limits a CTA must fit: dynamic shared memory per block, registers per thread and per SM
+SM90_MAX_SHARED_BYTES = 227 * 1024
+SM90_MAX_REGS_PER_THREAD = 255
+SM90_REGS_PER_SM = 65536
 
 
-def _compile_one(module: str, kernel: str, constexprs: dict, pointer_type: str) -> dict:
+def compile_cases(model: str, dtype: torch.dtype) -> dict:
+    """{kernel name: (module, kernel, Launch)}: what the wrappers launch for `model`'s sizes in `dtype`."""
+    from slabserve.kernels import triton_kv_write, triton_rmsnorm, triton_rope, triton_silu_mul
+    from slabserve.kernels import triton_slab_attention as attention
+
+    m = MODEL_SHAPES[model]
+    group, splits = m["heads"] // m["kv_heads"], kernels.decode_num_splits(m["max_context"])
+    module = "slabserve.kernels."
+    return {
+        "rms_norm": (module + "triton_rmsnorm", "_rms_norm_kernel", triton_rmsnorm.rms_norm_launch(m["hidden"])),
+        "rope": (module + "triton_rope", "_rope_kernel",
+                 triton_rope.rope_launch(m["heads"], m["kv_heads"], m["head_dim"])),
+        "silu_mul": (module + "triton_silu_mul", "_silu_mul_kernel", triton_silu_mul.silu_mul_launch(m["inter"])),
+        "kv_write": (module + "triton_kv_write", "_kv_write_kernel",
+                     triton_kv_write.kv_write_launch(m["kv_heads"], m["head_dim"])),
+        "slab_prefill": (module + "triton_slab_attention", "_slab_prefill_kernel",
+                         attention.prefill_launch(group, m["head_dim"], dtype)),
+        "slab_decode_split": (module + "triton_slab_attention", "_slab_decode_split_kernel",
+                              attention.decode_split_launch(group, m["head_dim"], splits, dtype)),
+        "slab_decode_reduce": (module + "triton_slab_attention", "_slab_decode_reduce_kernel",
+                               attention.decode_reduce_launch(m["head_dim"], splits)),
+    }
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers and stack (spills) per thread of the one function in `cubin`, read by the cuobjdump that ships
+    with Triton: "REG:232 STACK:0 SHARED:1024 LOCAL:0 ..."."""
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    line = next(line for line in out.splitlines() if "REG:" in line)
+    fields = dict(item.split(":", 1) for item in line.split())
+    return {"regs": int(fields["REG"]), "stack_bytes": int(fields["STACK"])}
+
+
+def _compile_one(module: str, kernel: str, launch, pointer_type: str) -> dict:
     import importlib
 
     import triton
@@ -557,9 +599,6 @@ def _compile_one(module: str, kernel: str, constexprs: dict, pointer_type: str) 
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(module), kernel)
-    constexprs = dict(constexprs)
-    if "DOT_PRECISION" in fn.arg_names:
-        constexprs["DOT_PRECISION"] = "ieee" if pointer_type == "*fp32" else "tf32"
     signature = {}
     for param in fn.params:
         if param.is_constexpr:
@@ -568,22 +607,26 @@ def _compile_one(module: str, kernel: str, constexprs: dict, pointer_type: str) 
             signature[param.name] = _POINTER_TYPES.get(param.name, pointer_type)
         else:
             signature[param.name] = "fp32" if param.name in _FLOAT_SCALARS else "i32"
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=dict(launch.constexprs)),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.num_warps})
     return {"ptx_sm90": ".target sm_90" in compiled.asm["ptx"],
-            "cubin_elf": compiled.asm["cubin"][:4] == b"\x7fELF", "cubin_bytes": len(compiled.asm["cubin"])}
+            "cubin_elf": compiled.asm["cubin"][:4] == b"\x7fELF", "cubin_bytes": len(compiled.asm["cubin"]),
+            "shared_bytes": compiled.metadata.shared, "threads": 32 * launch.num_warps,
+            **_resource_usage(compiled.asm["cubin"])}
 
 
 def run_compile_checks() -> dict:
-    """Compile every kernel for every dtype: {"kernel/dtype": {...} or the traceback}."""
+    """Compile every kernel for every model and dtype: {"model/kernel/dtype": {...} or the traceback}."""
     assert not os.environ.get("TRITON_INTERPRET"), "compile checks need real JITFunctions"
     results = {}
-    for name, (module, kernel, constexprs) in COMPILE_CASES.items():
-        for dtype_name, pointer_type in COMPILE_DTYPES.items():
-            try:
-                results[f"{name}/{dtype_name}"] = _compile_one(module, kernel, constexprs, pointer_type)
-            except Exception:
-                results[f"{name}/{dtype_name}"] = traceback.format_exc()
+    for model, shape in MODEL_SHAPES.items():
+        for dtype_name in shape["dtypes"]:
+            pointer_type, dtype = COMPILE_DTYPES[dtype_name]
+            for name, (module, kernel, launch) in compile_cases(model, dtype).items():
+                try:
+                    results[f"{model}/{name}/{dtype_name}"] = _compile_one(module, kernel, launch, pointer_type)
+                except Exception:
+                    results[f"{model}/{name}/{dtype_name}"] = traceback.format_exc()
     return results
 
 
@@ -645,11 +688,21 @@ def test_custom_ops_dispatch_to_triton_on_cuda():
     assert_close(got.cpu(), kernels.slab_prefill_attention_ref(*prefill_args(c, sentinel_like(c.q))), torch.bfloat16)
 
 
-@pytest.mark.parametrize("case", [f"{n}/{d}" for n in COMPILE_CASES for d in COMPILE_DTYPES])
-def test_triton_compiles_for_sm90(compile_report, case):
+COMPILE_IDS = [f"{model}/{name}/{d}" for model, shape in MODEL_SHAPES.items() for d in shape["dtypes"]
+               for name in ("rms_norm", "rope", "silu_mul", "kv_write", "slab_prefill", "slab_decode_split",
+                            "slab_decode_reduce")]
+
+
+@pytest.mark.parametrize("case", COMPILE_IDS)
+def test_triton_compiles_for_sm90_and_fits(compile_report, case):
+    """Each kernel as its wrapper launches it for the model, compiled for sm_90: it builds, fits the limits of
+    one CTA (shared memory, registers per thread and per SM) and spills nothing to local memory."""
     result = compile_report[case]
     assert isinstance(result, dict), result
     assert result["ptx_sm90"] and result["cubin_elf"] and result["cubin_bytes"] > 0, result
+    assert result["shared_bytes"] <= SM90_MAX_SHARED_BYTES, result
+    assert result["regs"] <= SM90_MAX_REGS_PER_THREAD and result["regs"] * result["threads"] <= SM90_REGS_PER_SM, result
+    assert result["stack_bytes"] == 0, f"{case} spills {result['stack_bytes']} bytes a thread: {result}"
 
 
 if __name__ == "__main__":
