@@ -59,6 +59,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from slabserve.runtime.devices import GPU_KINDS
 from slabserve.runtime.plan import MAX_QUEUE_DELAY_MS
 from slabserve.runtime.units import format_bytes, parse_bytes
 
@@ -68,13 +69,8 @@ WEIGHTS_MODES = ("load", "none")
 GEMM_CHOICES = ("auto", "aten", "native")  # runtime.plan.GEMMS, or auto
 # Device memory as `nvidia-smi --query-gpu=memory.total` reports it (MiB), in bytes. The CUDA context and the
 # driver's own reservations come out of it: that is what `target.reserve` is for.
-GPUS: dict[str, int] = {
-    "L4-24GB": 23034 * 1024**2,
-    "A100-40GB": 40960 * 1024**2,
-    "A100-80GB": 81920 * 1024**2,
-    "H100-80GB": 81559 * 1024**2,
-    "H200-141GB": 143771 * 1024**2,
-}
+# The table lives in runtime/devices.py, where the server checks a device against it.
+GPUS: dict[str, int] = {name: kind.memory_bytes for name, kind in GPU_KINDS.items()}
 DEFAULT_RESERVE: dict[str, int] = {"cuda": 1024**3, "cpu": 256 * 1024**2}
 DEFAULT_DTYPE: dict[str, str] = {"cuda": "bfloat16", "cpu": "float32"}
 SHARE_TOLERANCE = 1e-6

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from slabserve.kernels import cpu_native
+from slabserve.runtime.devices import GPU_KINDS, gpu_mismatch, version_mismatch
 from slabserve.runtime.loader import WeightSource
 from slabserve.runtime.model import DTYPE_NAMES, weight_layout
 from slabserve.runtime.plan import config_fingerprint
@@ -50,18 +51,30 @@ def check_fingerprints(plan, source: WeightSource, directory: Path) -> None:
     if f.weights is not None and source.content_hash() != f.weights:
         raise PlanMismatchError(f"{source.path}: the weights differ from those plan {plan.name!r} was built for "
                                 f"(content hash {f.weights[:12]}...); {rebuild}")
-    if torch.__version__ != f.torch:
+    if version_mismatch(torch.__version__, f.torch):  # major.minor: a local build tag (+cpu, +cu130) is no matter
         raise PlanMismatchError(f"torch {torch.__version__} is installed, plan {plan.name!r} was built with torch "
-                                f"{f.torch}; install that version or {rebuild}")
+                                f"{f.torch} (major.minor must match: the traced step follows torch); install that "
+                                f"version or {rebuild}")
+    if plan.engine.device == "cuda":
+        check_cuda_device(plan.name, f, rebuild)
+
+
+def check_cuda_device(plan_name: str, f, rebuild: str) -> None:
+    """A CUDA plan needs a GPU of the kind it names (compute capability and memory, runtime.devices) and the
+    triton major.minor it was built with (its kernels are Triton's); a CPU plan needs neither."""
     triton = _installed_version("triton")
-    if f.triton is not None and triton != f.triton:
-        raise PlanMismatchError(f"triton {triton} is installed, plan {plan.name!r} was built with triton {f.triton}; "
+    if version_mismatch(triton, f.triton):
+        raise PlanMismatchError(f"triton {triton} is installed, plan {plan_name!r} was built with triton {f.triton}; "
                                 f"install that version or {rebuild}")
-    if plan.engine.device == "cuda" and not torch.cuda.is_available():
-        raise PlanMismatchError(f"plan {plan.name!r} targets CUDA ({f.device}) and this machine has no CUDA device")
-    if plan.engine.device == "cuda" and f.device not in torch.cuda.get_device_name():
-        raise PlanMismatchError(f"plan {plan.name!r} was built for {f.device}, this device is "
-                                f"{torch.cuda.get_device_name()}; {rebuild} for this GPU")
+    if not torch.cuda.is_available():
+        raise PlanMismatchError(f"plan {plan_name!r} targets CUDA ({f.device}) and this machine has no CUDA device")
+    if f.device not in GPU_KINDS:  # target.memory without target.gpu: any CUDA device; memcheck sizes it
+        return
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    why = gpu_mismatch(f.device, (props.major, props.minor), props.total_memory)
+    if why is not None:
+        raise PlanMismatchError(f"plan {plan_name!r} was built for {f.device}; this device ({props.name}) has {why}; "
+                                f"{rebuild} with target.gpu set to this GPU")
 
 
 def _installed_version(package: str) -> str | None:
