@@ -220,15 +220,20 @@ def _check_same_activations(sizing: list[TracedBucket], traced: list[TracedBucke
 
 
 def staging_buffers(spec: Spec, config: ModelConfig) -> P.Staging:
-    """Bytes of runtime.step.StepInputs for every bucket and of runtime.sampler.Sampler, as those classes make
-    them: per bucket 3 (T,) int64 + (S+1,) int32 + (S,) int64 + (S,) int32 + (R,) int64 logits rows
-    (R = runtime.step.logits_rows(T, S)); the sampler's (S, V) buffers are
-    three float32, one int64 and two bool, plus an int64 arange of V and per-row scalars; the engine's (S, V)
-    float32 rows picked for sampling."""
+    """Device bytes of runtime.step.StepInputs for every bucket and of runtime.sampler.Sampler, as those classes
+    make them: per bucket 3 (T,) int64 + (S+1,) int32 + (S,) int64 + (S,) int32 + (R,) int64 logits rows
+    (R = runtime.step.logits_rows(T, S)); the sampler's (S, V) buffers are three float32, one int64 and two bool,
+    plus an int64 arange of V and per row 65 bytes (threshold, u * mass, choice, drawn id, greedy id, token id,
+    four float32 parameters, top-k, greedy flag); the engine's (S, V) float32 rows picked for sampling. On CUDA
+    the pinned host copies (two sets of step inputs, the sampler's row parameters and ids) are host memory, not
+    counted here."""
     s, v = spec.max_seqs, config.vocab_size
     step_inputs = sum(24 * t + 4 * (s + 1) + 8 * s + 4 * s + 8 * logits_rows(t, s) for t in spec.buckets)
-    sampler = s * v * (3 * 4 + 8 + 2 * 1 + 4) + 8 * v + s * (4 + 4 + 8 + 4 + 4 + 4 + 8 + 8 + 8)
+    sampler = s * v * (3 * 4 + 8 + 2 * 1 + 4) + 8 * v + s * SAMPLER_ROW_BYTES
     return P.Staging(step_inputs_bytes=step_inputs, sampler_bytes=sampler, total_bytes=step_inputs + sampler)
+
+
+SAMPLER_ROW_BYTES = 4 + 4 + 8 + 8 + 8 + 8 + 4 * 4 + 8 + 1
 
 
 # ---------------------------------------------------------------------------------------------------------------

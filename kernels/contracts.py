@@ -142,8 +142,15 @@ def check_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     _check_attention_common(op, q, k_cache, v_cache, slab_offset, context_len, out)
     if workspace is not None:
         _expect_dtype(op, "workspace", workspace, (torch.float32,))
-        if workspace.dim() != 1:
-            _fail(op, f"workspace must be 1-D fp32 (see kernels.prefill_workspace_numel), got {tuple(workspace.shape)}")
+        num_seqs, num_heads, head_dim = slab_offset.shape[0], q.shape[1], q.shape[2]
+        decode = (workspace.dim() == 4 and tuple(workspace.shape[:2]) == (num_seqs, num_heads)
+                  and workspace.shape[2] >= 1 and workspace.shape[3] == head_dim + 2)
+        if workspace.dim() != 1 and not decode:
+            _fail(op, f"workspace must be 1-D fp32 (CPU scratch: kernels.cpu_workspace_numel) or the decode "
+                      f"workspace ({num_seqs}, {num_heads}, splits, {head_dim + 2}) (kernels.decode_workspace_shape), "
+                      f"got {tuple(workspace.shape)}")
+        if decode:
+            _expect_contiguous(op, "workspace", workspace)
     _expect_shape(op, "query_start", query_start, (slab_offset.shape[0] + 1,))
     _expect_dtype(op, "query_start", query_start, (torch.int32,))
     _expect_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, query_start=query_start,

@@ -97,8 +97,12 @@ def check_graph_fingerprints(programs, expected: Mapping[int, str] | None) -> No
                                     "built from (slabserve or torch changed); rebuild the plan with build-plan")
 
 
-def check_gemm_runs_here(gemm: str) -> None:
-    """The native CPU matmul (a plan's engine.gemm, or EngineConfig.gemm) needs the kernel on this machine."""
+def check_gemm_runs_here(gemm: str, device: str = "cpu") -> None:
+    """The native CPU matmul (a plan's engine.gemm, or EngineConfig.gemm) needs the kernel on this machine and a
+    CPU engine."""
+    if gemm == "native" and device != "cpu":
+        raise PlanMismatchError(f"engine.gemm: native is the CPU kernel and the engine runs on {device}; use gemm: "
+                                f"aten")
     if gemm == "native" and not cpu_native.available():
         raise PlanMismatchError(f"the plan multiplies with the native CPU kernel (engine.gemm: native), which cannot "
                                 f"run here: {cpu_native.unavailable_reason()}; rebuild the plan on this machine "

@@ -46,6 +46,9 @@ class EngineConfig:
     queue_limit: int = 64                # waiting requests per slab class
     max_queue_delay_ms: int | None = None  # admission by latency (runtime.admission); None: slabs and queues only
     gemm: str | None = None              # matmul path (runtime.model.GEMMS); None: runtime.model.default_gemm
+    device: str = "cpu"                  # where every arena lives: "cpu" or "cuda" (the current CUDA device)
+    kv_dtype: str | None = None          # the KV arena's dtype; None: `dtype`
+    graph_budget_bytes: int | None = None  # CUDA: what graph capture may add (the plan's target.reserve)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,31 +120,34 @@ class Engine:
         self.config = config
         self.model_config = c = source.config
         self.tokenizer = _tokenizer_for(source)
+        self.device = engine_device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = DTYPES[config.kv_dtype or config.dtype]
         buckets = config.buckets or _powers_of_two(config.step_tokens)
         max_slab = max(k.tokens for k in config.classes)
         if max_slab > c.context_limit:
             raise ValueError(f"slab class of {max_slab} tokens exceeds the model's context of {c.context_limit}: "
                              f"lower it by {max_slab - c.context_limit}")
-        self.gemm = config.gemm or default_gemm("cpu", self.dtype)
-        check_gemm_runs_here(self.gemm)
-        self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, gemm=self.gemm)  # one weight arena
+        self.gemm = config.gemm or default_gemm(self.device.type, self.dtype)
+        check_gemm_runs_here(self.gemm, self.device.type)
+        self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, device=self.device,
+                                  gemm=self.gemm)  # one weight arena
         rows = sum(k.tokens * k.count for k in config.classes)
-        self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.dtype)  # (L, N, Hkv, D)
+        self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.kv_dtype,
+                                   device=self.device)  # (L, N, Hkv, D)
         self.v_cache = torch.zeros_like(self.k_cache)
-        self.inputs = {b: StepInputs(b, config.max_seqs) for b in buckets}
+        self.inputs = {b: StepInputs(b, config.max_seqs, self.device) for b in buckets}
         if graphs_dir is not None:
             programs = read_programs(graphs_dir, dict(self.step_fn.named_buffers()))
         else:
-            programs = {b: export_step(self.step_fn, b, config.max_seqs, rows, kv_caches=(self.k_cache, self.v_cache))
-                        for b in buckets}
+            programs = {b: export_step(self.step_fn, b, config.max_seqs, rows, self.device,
+                                       kv_caches=(self.k_cache, self.v_cache)) for b in buckets}
         check_graph_fingerprints(programs, graph_fingerprints)
         plan = activation_plan or plan_sequential(programs)
-        self.executor = PlannedExecutor.allocate(programs, plan, self.k_cache.device)
-        self._graphs = (CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
-                                        self.k_cache, self.v_cache) if self.k_cache.is_cuda else None)
-        self.sampler = Sampler(config.max_seqs, c.vocab_size)
-        self._picked = torch.zeros(config.max_seqs, c.vocab_size)              # (S, V) float32 rows to sample
+        self.executor = PlannedExecutor.allocate(programs, plan, self.device)
+        self._graphs: CudaGraphRunner | None = None  # CUDA: captured by warm_up, before its first step
+        self.sampler = Sampler(config.max_seqs, c.vocab_size, self.device)
+        self._picked = torch.zeros(config.max_seqs, c.vocab_size, device=self.device)  # (S, V) float32 rows to sample
         delay_s = config.max_queue_delay_ms / 1000 if config.max_queue_delay_ms is not None else None
         self.scheduler = Scheduler(config.classes, config.max_seqs, config.step_tokens, buckets, config.queue_limit,
                                    max_queue_delay_s=delay_s)
@@ -172,7 +178,7 @@ class Engine:
         config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
                               plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms,
-                              plan.engine.gemm)
+                              plan.engine.gemm, plan.engine.device, plan.engine.kv_dtype, plan.target.reserve_bytes)
         fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
         graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
@@ -262,7 +268,7 @@ class Engine:
         """The step of `bucket` on its filled inputs: logits (R, V) (R = runtime.step.logits_rows), a view into the
         activation arena."""
         if self._graphs is not None:
-            return self._graphs.run(bucket, self.inputs[bucket].tensors())
+            return self._graphs.replay(bucket)
         return self.executor.run(bucket, self.inputs[bucket].tensors(), self.k_cache, self.v_cache)
 
     def _sample(self, scheduled: ScheduledStep, logits: torch.Tensor) -> dict[str, int]:
@@ -297,6 +303,9 @@ class Engine:
         per thread, as is OpenMP's thread team: call this on the thread that steps the engine (runtime.server
         does). The checked runs start every sequence at position 0, like most steps, and their times seed
         admission by latency."""
+        if self.device.type == "cuda" and self._graphs is None:
+            self._graphs = CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
+                                           self.k_cache, self.v_cache, self.config.graph_budget_bytes)
         params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
         generators = [make_generator(0), make_generator(1)]
         seconds: dict[int, float] = {}
@@ -425,6 +434,18 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 longest = n
                 break
     return longest
+
+
+def engine_device(name: str) -> torch.device:
+    """The device a plan's `engine.device` names: the CPU, or the current CUDA device (refused without one)."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PlanMismatchError(f"the engine's device is {name!r} and this machine has no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device.type != "cpu":
+        raise ValueError(f"device {name!r} is not supported: use cpu or cuda")
+    return device
 
 
 def _powers_of_two(limit: int) -> tuple[int, ...]:

@@ -131,6 +131,7 @@ class _BucketProgram:
             self._resolve(node)
         self.bound_to: tuple | None = None
         self.calls: list[_Call] = []
+        self.call_nodes: list[fx.Node] = []
         self._run_calls: list[Callable[[], object]] = []  # self.calls as argument-free callables
         self.result: torch.Tensor | None = None
 
@@ -180,6 +181,7 @@ class _BucketProgram:
     def bind(self, inputs: Mapping[str, torch.Tensor]) -> None:
         env: dict[fx.Node, Any] = {}
         calls: list[_Call] = []
+        call_nodes: list[fx.Node] = []  # the node each call runs
         result = None
         for node in self.nodes:
             kind = self.kinds[node]
@@ -191,6 +193,8 @@ class _BucketProgram:
                 continue
             args = fx.node.map_arg(node.args, lambda n: env[n])
             kwargs = {k: fx.node.map_arg(v, lambda n: env[n]) for k, v in node.kwargs.items()}
+            call_nodes.extend([node] * (kind in (NodeKind.INPLACE, NodeKind.ZEROS, NodeKind.COMPUTE,
+                                                 NodeKind.CUSTOM)))
             if kind == NodeKind.VIEW:
                 env[node] = node.target(*args, **kwargs)
             elif kind == NodeKind.INPLACE:
@@ -207,7 +211,7 @@ class _BucketProgram:
             else:  # CUSTOM
                 calls.append(_prepared_call(node.target, args, kwargs))
                 env[node] = None
-        self.calls, self.result = calls, result
+        self.calls, self.result, self.call_nodes = calls, result, call_nodes
         self._run_calls = [partial(c.fn, *c.args, **c.kwargs) for c in calls]
         self.bound_to = tuple(inputs[name] for name in STEP_INPUTS)
 
@@ -224,6 +228,19 @@ class _BucketProgram:
             self.bind(inputs)
         for call in self._run_calls:
             call()
+        return self.result
+
+    def run_naming_failures(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """`run`, raising PlanViolationError that names the node and op of a call that fails (graph capture)."""
+        if self.bound_to is None or any(a is not b for a, b in zip(self.bound_to,
+                                                                   (inputs[name] for name in STEP_INPUTS))):
+            self.bind(inputs)
+        for call, node in zip(self._run_calls, self.call_nodes):
+            try:
+                call()
+            except Exception as exc:
+                raise PlanViolationError(f"bucket {self.bucket}: node {node.name!r} ({node.target}) failed: "
+                                         f"{type(exc).__name__}: {exc}") from exc
         return self.result
 
 
@@ -306,6 +323,11 @@ class PlannedExecutor:
         """One step of `bucket`: logits (R, V), a view of the arena valid until the next run."""
         return self.buckets[bucket].run({**inputs, "k_cache": k_cache, "v_cache": v_cache})
 
+    def run_naming_failures(self, bucket: int, inputs: Mapping[str, torch.Tensor], k_cache: torch.Tensor,
+                            v_cache: torch.Tensor) -> torch.Tensor:
+        """`run`, where a failing call raises PlanViolationError naming its node and op."""
+        return self.buckets[bucket].run_naming_failures({**inputs, "k_cache": k_cache, "v_cache": v_cache})
+
 
 def plan_sequential(programs: Mapping[int, ExportedProgram], alignment: int = 64) -> ActivationPlan:
     """A plan for programs without a compiled one: `sequential_offsets` per bucket, the arena sized for the largest."""
@@ -379,30 +401,55 @@ def check_no_allocations(fn: Callable[[], object], steps: int, what: str) -> Non
 
 
 class CudaGraphRunner:
-    """One CUDA graph per bucket over the planned executor, captured largest bucket first into one memory pool.
+    """One CUDA graph per bucket over the planned executor, captured at start-up into one private memory pool.
 
-    Each bucket has fixed device staging buffers for its step inputs; `run` copies the (pinned host) inputs into
-    them and replays the graph, so a replay reads and writes only memory fixed at capture. Never recaptures."""
+    `inputs`: each bucket's device step inputs (runtime.step.StepInputs.tensors(): fixed tensors the caller fills
+    before `replay`), so a replay reads and writes only memory fixed at capture. Before capturing, every bucket runs
+    once on the capture stream itself, so what libraries create on first use (Triton's compiled kernels, cuBLAS's
+    handle and its per-stream workspace) exists before capture and is not first allocated inside it. Graphs are
+    captured largest bucket first (later captures reuse its pool blocks). `added_bytes` is what all of this added to
+    the caching allocator's reservation (the pool and the workspaces); over `budget_bytes` (the plan's line for it)
+    it refuses, as it does when a bucket's capture fails (naming the node and op). Never recaptures."""
 
     def __init__(self, executor: PlannedExecutor, inputs: Mapping[int, Mapping[str, torch.Tensor]],
-                 k_cache: torch.Tensor, v_cache: torch.Tensor):
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, budget_bytes: int | None = None):
+        import time
+
         self.executor, self.k_cache, self.v_cache = executor, k_cache, v_cache
-        self.staging = {b: {name: t.to(k_cache.device, copy=True) for name, t in inputs[b].items()}
-                        for b in executor.buckets}
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for b in executor.buckets:
+                executor.run_naming_failures(b, inputs[b], k_cache, v_cache)
+        self.stream.synchronize()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.capture_s: dict[int, float] = {}
         pool = torch.cuda.graph_pool_handle()
-        for b in sorted(executor.buckets, reverse=True):  # largest first: later captures reuse its pool blocks
-            executor.run(b, self.staging[b], k_cache, v_cache)  # warm up (Triton compiles, cuBLAS handles)
-            torch.cuda.synchronize()
+        for b in sorted(executor.buckets, reverse=True):
+            started = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = executor.run(b, self.staging[b], k_cache, v_cache)
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    self.logits[b] = executor.run_naming_failures(b, inputs[b], k_cache, v_cache)
+            except PlanViolationError as exc:
+                raise PlanViolationError(f"CUDA graph capture failed: {exc}; refusing the plan") from exc
+            except RuntimeError as exc:
+                raise PlanViolationError(f"bucket {b}: CUDA graph capture failed: {exc}; refusing the plan") from exc
             self.graphs[b] = graph
+            self.capture_s[b] = time.perf_counter() - started
         torch.cuda.synchronize()
+        self.added_bytes = torch.cuda.memory_reserved() - reserved
+        if budget_bytes is not None and self.added_bytes > budget_bytes:
+            raise PlanViolationError(
+                f"capturing the CUDA graphs of {len(self.graphs)} buckets added {self.added_bytes} bytes of device "
+                f"memory, over the {budget_bytes} bytes the plan leaves for it (target.reserve): raise target.reserve "
+                f"by {self.added_bytes - budget_bytes} bytes or use fewer buckets")
 
-    def run(self, bucket: int, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        for name, dst in self.staging[bucket].items():
-            dst.copy_(inputs[name], non_blocking=True)
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Run `bucket`'s graph on the current stream over its filled inputs: the logits (R, V), the tensor the
+        capture returned (a view of the activation arena)."""
         self.graphs[bucket].replay()
         return self.logits[bucket]

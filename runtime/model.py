@@ -33,6 +33,7 @@ import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
 from slabserve.kernels import cpu_native
 from slabserve.kernels.contracts import panel_shape
 from slabserve.kernels.reference import cpu_workspace_numel
+from slabserve.kernels.workspace import decode_workspace_shape
 from slabserve.runtime.config import ModelConfig
 from slabserve.runtime.plan import GEMMS
 from slabserve.runtime.rope import rope_table
@@ -198,14 +199,22 @@ class LlamaStep(nn.Module):
     ) -> torch.Tensor:                 # (R, V)
         c = self.config
         x = self.weight("embed")[input_ids]  # (T, hidden)
-        # The CPU references' scratch, shared by every op of every layer (they run one at a time); a planned
-        # intermediate like any other. Attention over the longest slab sizes it. CUDA kernels need none.
-        scratch = torch.empty(cpu_workspace_numel(x.shape[0], c.num_heads, c.head_dim, self.max_context,
-                                                  c.num_kv_heads),
-                              dtype=torch.float32, device=x.device) if x.device.type == "cpu" else None
+        # Planned intermediates like any other, shared by every layer (ops run one at a time). On CPU: the
+        # references' scratch, sized by attention over the longest slab. Elsewhere (CUDA, and the meta trace of a
+        # CUDA plan): the split decode attention's workspace (S, H, splits, D + 2), its splits sized by the
+        # longest slab; no other kernel needs scratch there.
+        if x.device.type == "cpu":
+            scratch = torch.empty(cpu_workspace_numel(x.shape[0], c.num_heads, c.head_dim, self.max_context,
+                                                      c.num_kv_heads), dtype=torch.float32, device=x.device)
+            attn_workspace = scratch
+        else:
+            scratch = None
+            attn_workspace = torch.empty(decode_workspace_shape(slab_offset.shape[0], c.num_heads, c.head_dim,
+                                                                self.max_context).shape,
+                                         dtype=torch.float32, device=x.device)  # (S, H, splits, D + 2)
         for n in range(c.num_layers):
             x = self._attention_block(n, x, positions, slot_mapping, query_start, slab_offset, context_len,
-                                      k_cache[n], v_cache[n], scratch)
+                                      k_cache[n], v_cache[n], scratch, attn_workspace)
             x = self._mlp_block(n, x, scratch)
         x = self._norm(x, self.weight("norm"), scratch)
         return self._linear(x[logits_indices], "lm_head", c.vocab_size)  # (R, V)
@@ -227,7 +236,7 @@ class LlamaStep(nn.Module):
         return out
 
     def _attention_block(self, n, x, positions, slot_mapping, query_start, slab_offset, context_len, k_cache,
-                         v_cache, scratch):
+                         v_cache, scratch, attn_workspace):
         c = self.config
         t = x.shape[0]
         qkv = self._linear(self._norm(x, self.weight(f"{n}.attn_norm"), scratch), f"{n}.wqkv",
@@ -240,7 +249,8 @@ class LlamaStep(nn.Module):
         ops.rope(q, k, positions, self.rope_cos_sin, scratch)
         ops.kv_write(k, v, k_cache, v_cache, slot_mapping)
         attn = torch.empty(t, c.num_heads, c.head_dim, dtype=x.dtype, device=x.device)  # (T, H, D)
-        ops.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, self.scale, attn, scratch)
+        ops.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, self.scale, attn,
+                           attn_workspace)
         return self._linear(attn.view(t, c.q_size), f"{n}.wo", c.hidden_size, residual=x)
 
     def _mlp_block(self, n: int, x: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:

@@ -1,9 +1,13 @@
 """Token sampling on preallocated buffers: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Contract: `Sampler(max_seqs, vocab_size)` allocates every buffer it will use once; `sample` writes only into them
-(every op below has an `out=` form), so sampling adds no tensor storage while serving. Each request owns a
-`torch.Generator` seeded from its seed, and draws exactly one uniform number per sampled token from it, so the
-same request with the same seed gives the same tokens whatever else shares the batch.
+Contract: `Sampler(max_seqs, vocab_size, device)` allocates every buffer it will use once, on the engine's device;
+`sample` writes only into them (every op below has an `out=` form), so sampling adds no tensor storage while
+serving. Each request owns a CPU `torch.Generator` seeded from its seed and draws exactly one uniform number per
+sampled token from it, so the same request with the same seed gives the same tokens whatever else shares the batch,
+on any device.
+
+On CUDA the per-row parameters and uniforms are written into pinned host buffers and copied to the device in one
+go; the sampled ids come back through one pinned host buffer, with one synchronisation per sampled step.
 """
 from __future__ import annotations
 
@@ -49,57 +53,88 @@ def make_generator(seed: int) -> torch.Generator:
 class Sampler:
     """Samples one token per logits row. Buffers are (S, V) for S = max_seqs rows of V logits."""
 
-    def __init__(self, max_seqs: int, vocab_size: int):
+    def __init__(self, max_seqs: int, vocab_size: int, device: torch.device | str = "cpu"):
         s, v = max_seqs, vocab_size
+        dev = torch.device(device)
+        on_host = dev.type == "cpu"
         self.vocab_size = v
-        self.sorted = torch.zeros(s, v)                       # (S, V) logits / T, descending
-        self.order = torch.zeros(s, v, dtype=torch.int64)     # (S, V) token id of each sorted column
-        self.probs = torch.zeros(s, v)                        # (S, V) softmax of `sorted`, then cut
-        self.cumsum = torch.zeros(s, v)                       # (S, V)
-        self.keep = torch.zeros(s, v, dtype=torch.bool)       # (S, V)
-        self.mask = torch.zeros(s, v, dtype=torch.bool)       # (S, V)
-        self.threshold = torch.zeros(s, 1)                    # (S, 1)
-        self.column = torch.arange(v, dtype=torch.int64).expand(s, v)  # (S, V) view, no storage per row
-        self.inv_temp = torch.ones(s, 1)                      # (S, 1)
-        self.top_k = torch.zeros(s, 1, dtype=torch.int64)     # (S, 1)
-        self.top_p = torch.ones(s, 1)                         # (S, 1)
-        self.min_p = torch.zeros(s, 1)                        # (S, 1)
-        self.uniform = torch.empty(s, 1)                      # (S, 1)
-        self.choice = torch.empty(s, 1, dtype=torch.int64)    # (S, 1)
-        self.greedy_ids = torch.empty(s, dtype=torch.int64)   # (S,)
-        self.token_ids = torch.empty(s, dtype=torch.int64)    # (S,)
-        # numpy views of the same memory: per-row scalar writes through them create no 0-dim tensors
-        self._np = {name: getattr(self, name).numpy() for name in ("inv_temp", "top_k", "top_p", "min_p", "order",
-                                                                   "choice", "token_ids")}
+        self.device = dev
+
+        def buf(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        self.sorted = buf(s, v)                               # (S, V) logits / T, descending
+        self.order = buf(s, v, dtype=torch.int64)             # (S, V) token id of each sorted column
+        self.probs = buf(s, v)                                # (S, V) softmax of `sorted`, then cut
+        self.cumsum = buf(s, v)                               # (S, V)
+        self.keep = buf(s, v, dtype=torch.bool)               # (S, V)
+        self.mask = buf(s, v, dtype=torch.bool)               # (S, V)
+        self.threshold = buf(s, 1)                            # (S, 1)
+        self.column = torch.arange(v, dtype=torch.int64, device=dev).expand(s, v)  # (S, V) view, no storage per row
+        self.uniform = buf(s, 1)                              # (S, 1) u * kept mass
+        self.choice = buf(s, 1, dtype=torch.int64)            # (S, 1) sorted column drawn
+        self.drawn = buf(s, 1, dtype=torch.int64)             # (S, 1) token id of that column
+        self.greedy_ids = buf(s, dtype=torch.int64)           # (S,)
+        self.token_ids = buf(s, dtype=torch.int64)            # (S,)
+        # per-row parameters: written on the host (pinned for a CUDA device), copied once per sampled step
+        self.host_rows = torch.zeros(s, 4, pin_memory=not on_host)  # (S, 4) 1/T, top_p, min_p, u
+        self.host_top_k = torch.zeros(s, 1, dtype=torch.int64, pin_memory=not on_host)  # (S, 1)
+        self.host_greedy = torch.zeros(s, dtype=torch.bool, pin_memory=not on_host)    # (S,)
+        self.rows = self.host_rows if on_host else buf(s, 4)
+        self.top_k = self.host_top_k if on_host else buf(s, 1, dtype=torch.int64)
+        self.greedy = self.host_greedy if on_host else buf(s, dtype=torch.bool)
+        self.inv_temp, self.top_p = self.rows[:, 0:1], self.rows[:, 1:2]  # (S, 1) views
+        self.min_p, self.draw = self.rows[:, 2:3], self.rows[:, 3:4]
+        # the ids the caller reads: the device buffer itself on CPU, a pinned copy of it on CUDA
+        self.host_ids = self.token_ids if on_host else torch.zeros(s, dtype=torch.int64, pin_memory=True)
+        self._copied = None if on_host else torch.cuda.Event()
+        # numpy views of the host memory: per-row scalar writes through them create no 0-dim tensors
+        self._np = {"rows": self.host_rows.numpy(), "top_k": self.host_top_k.numpy(),
+                    "greedy": self.host_greedy.numpy()}
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """logits (R, V) float32 -> token ids (R,) int64, a view of a preallocated buffer."""
+        """logits (R, V) float32 on the sampler's device -> token ids (R,) int64 on the host, a view of a
+        preallocated buffer (valid until the next call)."""
         r = logits.shape[0]
         torch.argmax(logits, dim=-1, out=self.greedy_ids[:r])
-        out = self.token_ids[:r]
-        out.copy_(self.greedy_ids[:r])
         if all(p.greedy for p in params):
-            return out
-        self._load_params(params)
+            return self._to_host(self.greedy_ids, r)
+        self._load_params(params, generators)
         self._filtered_probs(logits)
-        for row, (p, g) in enumerate(zip(params, generators)):
-            if not p.greedy:
-                torch.rand(1, generator=g, out=self.uniform[row])
         self._draw(r)
-        order, choice, token_ids = self._np["order"], self._np["choice"], self._np["token_ids"]
-        for row, p in enumerate(params):
-            if not p.greedy:
-                token_ids[row] = order[row, choice[row, 0]]
-        return out
+        torch.gather(self.order[:r], 1, self.choice[:r], out=self.drawn[:r])
+        torch.where(self.greedy[:r], self.greedy_ids[:r], self.drawn[:r, 0], out=self.token_ids[:r])
+        return self._to_host(self.token_ids, r)
 
-    def _load_params(self, params: Sequence[SamplingParams]) -> None:
+    def _to_host(self, ids: torch.Tensor, r: int) -> torch.Tensor:
+        if self._copied is None:
+            if ids is not self.host_ids:
+                self.host_ids[:r].copy_(ids[:r])
+            return self.host_ids[:r]
+        self.host_ids[:r].copy_(ids[:r], non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()  # the step's one synchronisation
+        return self.host_ids[:r]
+
+    def _load_params(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> None:
         a = self._np
-        for row, p in enumerate(params):
-            a["inv_temp"][row, 0] = 1.0 / p.temperature if p.temperature > 0 else 1.0
+        uniform = self.host_rows[:, 3:4]
+        for row, (p, g) in enumerate(zip(params, generators)):
+            a["rows"][row, 0] = 1.0 / p.temperature if p.temperature > 0 else 1.0
+            a["rows"][row, 1] = p.top_p
+            a["rows"][row, 2] = p.min_p
             a["top_k"][row, 0] = p.top_k if p.top_k > 0 else self.vocab_size
-            a["top_p"][row, 0] = p.top_p
-            a["min_p"][row, 0] = p.min_p
+            a["greedy"][row] = p.greedy
+            if p.greedy:
+                a["rows"][row, 3] = 0.0
+            else:
+                torch.rand(1, generator=g, out=uniform[row])
+        if self.rows is not self.host_rows:
+            r = len(params)
+            self.rows[:r].copy_(self.host_rows[:r], non_blocking=True)
+            self.top_k[:r].copy_(self.host_top_k[:r], non_blocking=True)
+            self.greedy[:r].copy_(self.host_greedy[:r], non_blocking=True)
 
     def _filtered_probs(self, logits: torch.Tensor) -> None:
         """probs[:r] = softmax(logits / T), sorted descending, with top-k, min-p and top-p cuts set to 0."""
@@ -126,6 +161,6 @@ class Sampler:
     def _draw(self, r: int) -> None:
         """Inverse CDF: the first sorted column whose cumulative kept mass exceeds u * total."""
         cum = self.cumsum[:r]
-        torch.mul(self.uniform[:r], cum[:, -1:], out=self.uniform[:r])
+        torch.mul(self.draw[:r], cum[:, -1:], out=self.uniform[:r])
         torch.searchsorted(cum, self.uniform[:r], right=True, out=self.choice[:r])
         self.choice[:r].clamp_(max=self.vocab_size - 1)

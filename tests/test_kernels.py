@@ -511,6 +511,42 @@ def check_slab_decode_attention(device: str, dot_dtypes: tuple) -> None:
         assert_close(got.cpu(), want, dtype)
 
 
+@triton_check
+def check_slab_attention_split_decode(device: str, dot_dtypes: tuple) -> None:
+    """The step's form on CUDA: with a decode workspace, one-row sequences go to the split decode kernels and the
+    rest to the prefill kernel, each deciding from query_start on the device; every row must come out as the
+    reference's, padding rows (5 trailing, then exactly 1) and empty sequence slots included."""
+    for dtype, heads, head_dim in attention_cases(dot_dtypes):
+        b = make_prefill_batch(dtype, heads, head_dim, device=device)
+        c = make_prefill_batch(dtype, heads, head_dim)
+        spec = kernels.decode_workspace_shape(b.slab_offset.shape[0], b.q.shape[1], head_dim, max_context=420)
+        workspace = torch.full(spec.shape, float("nan"), device=device)
+        got = kernels.slab_prefill_attention_triton(*prefill_args(b, sentinel_like(b.q)), workspace)
+        want = kernels.slab_prefill_attention_ref(*prefill_args(c, sentinel_like(c.q)))
+        assert_close(got.cpu(), want, dtype)
+    dtype = dot_dtypes[0]
+    num_heads, num_kv_heads = HEAD_CONFIGS["gqa3"]
+    q_lens, contexts, offsets = (1, 1, 3, 1, 0), (300, 1, 3, 64, 0), (0, 300, 310, 320, 0)
+    starts = [0]
+    for q_len in q_lens:
+        starts.append(starts[-1] + q_len)
+    def batch_on(dev: str) -> SlabBatch:
+        return SlabBatch(q=make_qkv(starts[-1] + 1, num_heads, num_kv_heads, 16, dtype, 4, dev).q,
+                         k_cache=randn(400, num_kv_heads, 16, dtype=dtype, seed=5, device=dev),
+                         v_cache=randn(400, num_kv_heads, 16, dtype=dtype, seed=6, device=dev),
+                         query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
+                         slab_offset=torch.tensor(offsets, dtype=torch.int64, device=dev),
+                         context_len=torch.tensor(contexts, dtype=torch.int32, device=dev), scale=0.25)
+
+    b, c = batch_on(device), batch_on("cpu")
+    spec = kernels.decode_workspace_shape(len(q_lens), num_heads, 16, max_context=400)
+    assert spec.num_splits == 2  # the 300-key row spans both
+    got = kernels.slab_prefill_attention_triton(*prefill_args(b, sentinel_like(b.q)),
+                                                torch.full(spec.shape, float("nan"), device=device))
+    want = kernels.slab_prefill_attention_ref(*prefill_args(c, sentinel_like(c.q)))
+    assert_close(got.cpu(), want, dtype)
+
+
 def run_interpreted_checks() -> dict:
     """Run every check in this (interpreted) process: {name: None if it passed, else its traceback}."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
@@ -564,12 +600,14 @@ def compile_cases(model: str, dtype: torch.dtype) -> dict:
         "silu_mul": (module + "triton_silu_mul", "_silu_mul_kernel", triton_silu_mul.silu_mul_launch(m["inter"])),
         "kv_write": (module + "triton_kv_write", "_kv_write_kernel",
                      triton_kv_write.kv_write_launch(m["kv_heads"], m["head_dim"])),
+        # the step's forms: decode rows to the split kernels, the rest to prefill (triton_slab_attention)
         "slab_prefill": (module + "triton_slab_attention", "_slab_prefill_kernel",
-                         attention.prefill_launch(group, m["head_dim"], dtype)),
+                         attention.prefill_launch(group, m["head_dim"], dtype, skip_decode=True)),
         "slab_decode_split": (module + "triton_slab_attention", "_slab_decode_split_kernel",
-                              attention.decode_split_launch(group, m["head_dim"], splits, dtype)),
+                              attention.decode_split_launch(group, m["head_dim"], splits, dtype,
+                                                            from_query_start=True)),
         "slab_decode_reduce": (module + "triton_slab_attention", "_slab_decode_reduce_kernel",
-                               attention.decode_reduce_launch(m["head_dim"], splits)),
+                               attention.decode_reduce_launch(m["head_dim"], splits, from_query_start=True)),
     }
 
 
