@@ -30,6 +30,7 @@ from slabserve.compiler.spec import DTYPES, ResolvedModel, Spec, resolve_model, 
 from slabserve.compiler.tracing import TracedBucket, trace_buckets
 from slabserve.runtime import plan as P
 from slabserve.runtime.config import ModelConfig, ModelLoadError
+from slabserve.runtime.devices import GPU_KINDS
 from slabserve.runtime.loader import open_config, open_model
 from slabserve.runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, default_gemm, weight_layout
 from slabserve.runtime.step import logits_rows
@@ -66,8 +67,9 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     weights = weight_arena(config, spec.dtype, spec.max_context, gemm)
     # 3) activations: the largest bucket traced on meta weights sizes the arena (the KV rows are not known yet)
     dtype = TORCH_DTYPES[spec.dtype]
+    kv_dtype = TORCH_DTYPES[spec.kv_dtype]
     sizing = trace_buckets(config, dtype, spec.buckets[-1:], spec.max_seqs, kv_rows=spec.max_context,
-                           rope_positions=spec.max_context, device=spec.target.device, gemm=gemm)
+                           rope_positions=spec.max_context, device=spec.target.device, gemm=gemm, kv_dtype=kv_dtype)
     activation_bytes = shared_arena_bytes(sizing)
     # 4) staging
     staging = staging_buffers(spec, config)
@@ -77,7 +79,8 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
         kv = kv_arena(config, spec.kv_dtype, slabs)
         rope_positions = slabs.max_request_tokens
         traced = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows,
-                               rope_positions=rope_positions, device=spec.target.device, gemm=gemm)
+                               rope_positions=rope_positions, device=spec.target.device, gemm=gemm,
+                               kv_dtype=kv_dtype)
         _check_same_activations(sizing, traced[-1:], spec.target.device)
         activations = activation_arena(traced)
         if activations.arena_bytes <= activation_bytes:
@@ -93,7 +96,7 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
         spec=spec_to_dict(spec), fingerprints=fingerprints(spec, config, model.weights_hash),
         engine=engine_section(spec, model.resolved, base, rope_positions, gemm), model=model_summary(config),
         target=P.TargetSection(spec.target.device, spec.target.gpu, spec.target.memory_bytes,
-                               spec.target.reserve_bytes),
+                               spec.target.reserve_bytes, requirements(spec, totals)),
         weights=weights, kv=kv, activations=activations, staging=staging, totals=totals,
         capacity=capacity(slabs))
     P.check_plan(plan)
@@ -123,6 +126,22 @@ def fingerprints(spec: Spec, config: ModelConfig, weights_hash: str | None) -> P
     return P.Fingerprints(
         model_config=P.config_fingerprint(config), weights=weights_hash, torch=str(torch.__version__),
         triton=_version("triton"), device=spec.target.gpu or spec.target.device)
+
+
+def requirements(spec: Spec, totals: P.Totals) -> P.Requirements:
+    """What the serving machine must have (runtime.plan.Requirements): the traced torch's major.minor; for a CUDA
+    target also triton's, the compute capability of target.gpu and the device memory the plan and its reserve take."""
+    cuda = spec.target.device == "cuda"
+    triton = _version("triton")
+    kind = GPU_KINDS.get(spec.target.gpu) if spec.target.gpu else None
+    return P.Requirements(
+        torch=_major_minor(str(torch.__version__)), triton=_major_minor(triton) if cuda and triton else None,
+        compute_capability=tuple(kind.capability) if cuda and kind else None,
+        device_memory_bytes=totals.planned_bytes + totals.reserve_bytes if cuda else 0)
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
 
 
 def _version(dist: str) -> str | None:

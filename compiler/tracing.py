@@ -45,21 +45,25 @@ class TracedBucket:
 
 
 def trace_buckets(config: ModelConfig, dtype: torch.dtype, buckets: Sequence[int], max_seqs: int, *,
-                  kv_rows: int, rope_positions: int, device: str, gemm: str = "aten") -> list[TracedBucket]:
+                  kv_rows: int, rope_positions: int, device: str, gemm: str = "aten",
+                  kv_dtype: torch.dtype | None = None) -> list[TracedBucket]:
+    """`kv_dtype`: the KV caches' dtype (the plan's kv_dtype; default `dtype`)."""
+    kv_dtype = kv_dtype or dtype
     if device != "cpu":
         step = meta_step(config, dtype, rope_positions, gemm)
-        return [trace_bucket(step, tokens, max_seqs, kv_rows) for tokens in buckets]
+        return [trace_bucket(step, tokens, max_seqs, kv_rows, kv_dtype) for tokens in buckets]
     # torch.export's own fake-tensor machinery; a private module, but the one export itself runs on
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config, gemm).items()}
         step = LlamaStep(config, packed, rope_positions, gemm=gemm)
-        return [trace_bucket(step, tokens, max_seqs, kv_rows) for tokens in buckets]
+        return [trace_bucket(step, tokens, max_seqs, kv_rows, kv_dtype) for tokens in buckets]
 
 
-def trace_bucket(step: LlamaStep, tokens: int, max_seqs: int, kv_rows: int) -> TracedBucket:
-    program = export_step(step, tokens, max_seqs, kv_rows)
+def trace_bucket(step: LlamaStep, tokens: int, max_seqs: int, kv_rows: int,
+                 kv_dtype: torch.dtype | None = None) -> TracedBucket:
+    program = export_step(step, tokens, max_seqs, kv_rows, kv_dtype=kv_dtype)
     tensors = tuple(Intermediate(name=t.name, shape=tuple(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
                                  first_use=t.first_use, last_use=t.last_use) for t in activation_tensors(program))
     return TracedBucket(tokens=tokens, tensors=tensors, fingerprint=graph_fingerprint(program), program=program,

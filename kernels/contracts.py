@@ -92,12 +92,15 @@ def check_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     _expect_same_device(op, gate_up=gate_up, out=out)
 
 
-def _check_kv_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
+def _check_kv_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The caches' dtype is the plan's kv_dtype, which may differ from the activations': kv_write rounds into it
+    and attention widens out of it."""
     if k_cache.dim() != 3:
         _fail(op, f"k_cache must be (num_rows, num_kv_heads, head_dim), got {tuple(k_cache.shape)}")
     _expect_shape(op, "v_cache", v_cache, tuple(k_cache.shape))
+    _expect_dtype(op, "k_cache", k_cache, FLOAT_DTYPES)
+    _expect_dtype(op, "v_cache", v_cache, (k_cache.dtype,))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _expect_dtype(op, name, cache, (dtype,))
         _expect_contiguous(op, name, cache)
 
 
@@ -107,7 +110,7 @@ def check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     _expect_activation(op, "k", k, 3)
     _expect_activation(op, "v", v, 3, k.dtype)
     _expect_shape(op, "v", v, tuple(k.shape))
-    _check_kv_cache_pair(op, k_cache, v_cache, k.dtype)
+    _check_kv_cache_pair(op, k_cache, v_cache)
     _expect_shape(op, "k_cache", k_cache, (k_cache.shape[0], k.shape[1], k.shape[2]))
     _expect_shape(op, "slot_mapping", slot_mapping, (k.shape[0],))
     _expect_dtype(op, "slot_mapping", slot_mapping, (torch.int64,))
@@ -118,7 +121,7 @@ def _check_attention_common(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_c
                             slab_offset: torch.Tensor, context_len: torch.Tensor, out: torch.Tensor) -> None:
     _expect_activation(op, "q", q, 3)
     _, num_heads, head_dim = q.shape
-    _check_kv_cache_pair(op, k_cache, v_cache, q.dtype)
+    _check_kv_cache_pair(op, k_cache, v_cache)
     num_kv_heads = k_cache.shape[1]
     if k_cache.shape[2] != head_dim or num_kv_heads == 0 or num_heads % num_kv_heads:
         _fail(op, f"q heads/head_dim {tuple(q.shape[1:])} do not fit cache heads/head_dim "

@@ -28,7 +28,28 @@
 
 int slabserve_cpu_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+/* KV caches may hold fp32, bf16 or fp16 (the plan's kv_dtype); activations are fp32. Half rows are widened to fp32
+ * as they are loaded (exactly) and fp32 rows rounded to nearest even as they are stored, as torch converts. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t index, int kind) {
+    if (kind == KV_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (kind == KV_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + index)));
+    return _mm256_loadu_ps((const float *)base + index);
+}
+
+static inline uint16_t bf16_from_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0; /* NaN, as c10::BFloat16 */
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 /* `mr` (1..6, a constant after inlining) rows of x times one panel, into y (row stride ldy). */
@@ -187,40 +208,42 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* scale * q . k for `len` keys (rows of k, stride ldkv) into sc: eight keys at a time, each its own accumulator,
- * so the FMAs of eight dot products interleave instead of waiting on one chain. */
-static void block_scores(int D, const float *q, const float *k, int64_t ldkv, int len, float scale, float *sc) {
+/* scale * q . k for `len` keys (rows of k, stride ldkv elements, of `kind`) into sc: eight keys at a time, each its
+ * own accumulator, so the FMAs of eight dot products interleave instead of waiting on one chain. */
+static inline __attribute__((always_inline)) void block_scores(int D, const float *q, const void *k, int64_t ldkv,
+                                                               int len, float scale, float *sc, int kind) {
     int i = 0;
     for (; i + 8 <= len; i += 8) {
         __m256 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
             __m256 qd = _mm256_loadu_ps(q + d);
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (i + j) * ldkv + d), acc[j]);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qd, load_kv8(k, (i + j) * ldkv + d, kind), acc[j]);
         }
         _mm256_storeu_ps(sc + i, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
     }
     for (; i < len; i++) {
         __m256 acc = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + i * ldkv + d), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_kv8(k, i * ldkv + d, kind), acc);
         sc[i] = hsum256(acc) * scale;
     }
 }
 
-/* acc[0..D) += sum_i p[i] * v_i over `len` rows of v: 32 columns at a time held in four registers. */
-static void block_values(int D, const float *p, const float *v, int64_t ldkv, int len, float *acc) {
+/* acc[0..D) += sum_i p[i] * v_i over `len` rows of v (of `kind`): 32 columns at a time held in four registers. */
+static inline __attribute__((always_inline)) void block_values(int D, const float *p, const void *v, int64_t ldkv,
+                                                               int len, float *acc, int kind) {
     int d = 0;
     for (; d + 32 <= D; d += 32) {
         __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
         __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
         for (int i = 0; i < len; i++) {
-            const float *vr = v + i * ldkv + d;
+            int64_t row = i * ldkv + d;
             __m256 pi = _mm256_set1_ps(p[i]);
-            a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr), a0);
-            a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 8), a1);
-            a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 16), a2);
-            a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 24), a3);
+            a0 = _mm256_fmadd_ps(pi, load_kv8(v, row, kind), a0);
+            a1 = _mm256_fmadd_ps(pi, load_kv8(v, row + 8, kind), a1);
+            a2 = _mm256_fmadd_ps(pi, load_kv8(v, row + 16, kind), a2);
+            a3 = _mm256_fmadd_ps(pi, load_kv8(v, row + 24, kind), a3);
         }
         _mm256_storeu_ps(acc + d, a0);
         _mm256_storeu_ps(acc + d + 8, a1);
@@ -229,7 +252,7 @@ static void block_values(int D, const float *p, const float *v, int64_t ldkv, in
     }
     for (; d < D; d += 8) {
         __m256 a = _mm256_loadu_ps(acc + d);
-        for (int i = 0; i < len; i++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v + i * ldkv + d), a);
+        for (int i = 0; i < len; i++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load_kv8(v, i * ldkv + d, kind), a);
         _mm256_storeu_ps(acc + d, a);
     }
 }
@@ -260,11 +283,13 @@ static void block_softmax(int D, float *sc, int len, float *m, float *l, float *
     *l += hsum256(total) + rest;
 }
 
-/* One query row's G heads (q: G rows of D, stride D) over `n` keys starting at k/v (row stride ldkv), into out
- * (G rows of D). Each block of keys is read once per head while it sits in L1. */
-static void attend_row(int G, int D, const float *q, const float *k, const float *v, int64_t ldkv, int64_t n,
-                       float scale, float *out) {
+/* One query row's G heads (q: G rows of D, stride D) over `n` keys starting at element `first` of k/v (row stride
+ * ldkv elements, of `kind`), into out (G rows of D). Each block of keys is read once per head while it sits in L1. */
+static inline __attribute__((always_inline)) void attend_row_kind(int G, int D, const float *q, const void *k,
+                                                                  const void *v, int64_t first, int64_t ldkv,
+                                                                  int64_t n, float scale, float *out, int kind) {
     float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], sc[KEY_BLOCK];
+    size_t item = kind == KV_F32 ? 4 : 2;
     for (int h = 0; h < G; h++) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
@@ -272,16 +297,26 @@ static void attend_row(int G, int D, const float *q, const float *k, const float
     }
     for (int64_t start = 0; start < n; start += KEY_BLOCK) {
         int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
+        const char *kb = (const char *)k + (first + start * ldkv) * item;
+        const char *vb = (const char *)v + (first + start * ldkv) * item;
         for (int h = 0; h < G; h++) {
-            block_scores(D, q + h * D, k + start * ldkv, ldkv, len, scale, sc);
+            block_scores(D, q + h * D, kb, ldkv, len, scale, sc, kind);
             block_softmax(D, sc, len, &m[h], &l[h], acc[h]);
-            block_values(D, sc, v + start * ldkv, ldkv, len, acc[h]);
+            block_values(D, sc, vb, ldkv, len, acc[h], kind);
         }
     }
     for (int h = 0; h < G; h++) {
         float inv = 1.0f / l[h];
         for (int d = 0; d < D; d++) out[h * D + d] = acc[h][d] * inv;
     }
+}
+
+/* attend_row_kind with `kind` a constant in each branch, so each gets its own loads inlined. */
+static void attend_row(int G, int D, const float *q, const void *k, const void *v, int64_t first, int64_t ldkv,
+                       int64_t n, float scale, float *out, int kind) {
+    if (kind == KV_BF16) attend_row_kind(G, D, q, k, v, first, ldkv, n, scale, out, KV_BF16);
+    else if (kind == KV_F16) attend_row_kind(G, D, q, k, v, first, ldkv, n, scale, out, KV_F16);
+    else attend_row_kind(G, D, q, k, v, first, ldkv, n, scale, out, KV_F32);
 }
 
 /* Attends every sequence of 1 to max_q_len rows that has at least as many keys as rows, and zeroes the rows that
@@ -291,9 +326,10 @@ static void attend_row(int G, int D, const float *q, const float *k, const float
  * or past the caches' cache_rows. */
 int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t cache_rows, const float *q, int64_t ldq,
-                                 const float *k_cache,
-                                 const float *v_cache, const int32_t *query_start, const int64_t *slab_offset,
-                                 const int32_t *context_len, float scale, float *out, int64_t max_q_len) {
+                                 const void *k_cache,
+                                 const void *v_cache, const int32_t *query_start, const int64_t *slab_offset,
+                                 const int32_t *context_len, float scale, float *out, int64_t max_q_len,
+                                 int64_t kv_kind) {
     int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads || head_dim % 8 || head_dim > MAX_HEAD_DIM)
         return -1;
@@ -321,12 +357,11 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
         for (int64_t g = 0; g < num_kv_heads; g++) {
             int64_t begin = query_start[s], rows = query_start[s + 1] - begin, context = context_len[s];
             if (rows < 1 || rows > max_q_len || context < rows) continue;
-            const float *k = k_cache + slab_offset[s] * ldkv + g * head_dim;
-            const float *v = v_cache + slab_offset[s] * ldkv + g * head_dim;
+            int64_t first = slab_offset[s] * ldkv + g * head_dim;
             for (int64_t j = 0; j < rows; j++) {
                 const float *qr = q + (begin + j) * ldq + g * group * head_dim;
-                attend_row((int)group, (int)head_dim, qr, k, v, ldkv, context - rows + j + 1, scale,
-                           out + (begin + j) * ldo + g * group * head_dim);
+                attend_row((int)group, (int)head_dim, qr, k_cache, v_cache, first, ldkv, context - rows + j + 1,
+                           scale, out + (begin + j) * ldo + g * group * head_dim, (int)kv_kind);
             }
         }
     }
@@ -415,17 +450,40 @@ int slabserve_rope_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, float *q, i
     return 0;
 }
 
-/* Row t of k and v (`width` floats each) into cache row slot_mapping[t]; a negative slot (-1: padding) skips the
- * row. Returns 0, or -1 (having written nothing) when a slot lies past the caches' num_slots rows. */
+/* Row t of k and v (`width` floats each) into cache row slot_mapping[t], stored as the caches' `kv_kind`; a negative
+ * slot (-1: padding) skips the row. Returns 0, or -1 (having written nothing) when a slot lies past the caches'
+ * num_slots rows. */
 int slabserve_kv_write_f32(int64_t T, int64_t width, const float *k, int64_t ldk, const float *v, int64_t ldv,
-                           float *k_cache, float *v_cache, const int64_t *slot_mapping, int64_t num_slots) {
+                           void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t num_slots,
+                           int64_t kv_kind) {
     for (int64_t t = 0; t < T; t++)
         if (slot_mapping[t] >= num_slots) return -1;
     for (int64_t t = 0; t < T; t++) {
         int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        memcpy(k_cache + slot * width, k + t * ldk, width * sizeof(float));
-        memcpy(v_cache + slot * width, v + t * ldv, width * sizeof(float));
+        if (kv_kind == KV_F32) {
+            memcpy((float *)k_cache + slot * width, k + t * ldk, width * sizeof(float));
+            memcpy((float *)v_cache + slot * width, v + t * ldv, width * sizeof(float));
+            continue;
+        }
+        uint16_t *kd = (uint16_t *)k_cache + slot * width, *vd = (uint16_t *)v_cache + slot * width;
+        const float *ks = k + t * ldk, *vs = v + t * ldv;
+        int64_t i = 0;
+        if (kv_kind == KV_F16) {
+            for (; i + 8 <= width; i += 8) {
+                _mm_storeu_si128((__m128i *)(kd + i), _mm256_cvtps_ph(_mm256_loadu_ps(ks + i), _MM_FROUND_TO_NEAREST_INT));
+                _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(vs + i), _MM_FROUND_TO_NEAREST_INT));
+            }
+            for (; i < width; i++) {
+                kd[i] = _cvtss_sh(ks[i], _MM_FROUND_TO_NEAREST_INT);
+                vd[i] = _cvtss_sh(vs[i], _MM_FROUND_TO_NEAREST_INT);
+            }
+        } else {
+            for (; i < width; i++) {
+                kd[i] = bf16_from_f32(ks[i]);
+                vd[i] = bf16_from_f32(vs[i]);
+            }
+        }
     }
     return 0;
 }

@@ -34,7 +34,7 @@ from slabserve.kernels import contracts, reference
 from slabserve.kernels.contracts import PANEL, check_linear, panel_shape
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 _LIBS = ("-lm",)
 # Sequences of up to this many query rows are attended by the native kernel (a query row at a time, so each row
 # reads its keys again); longer prefill chunks by the reference's GEMMs, which reuse each K/V row across all the
@@ -46,11 +46,11 @@ _state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there 
 _I, _P, _F, _RC = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # C function -> (return type, argument types), as declared in cpu_native.c
     "slabserve_linear_f32": (None, [_I, _I, _I, _P, _I, _P, _P, _I, _P, _I]),
-    "slabserve_slab_attention_f32": (_RC, [_I, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _F, _P, _I]),
+    "slabserve_slab_attention_f32": (_RC, [_I, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _F, _P, _I, _I]),
     "slabserve_rms_norm_f32": (None, [_I, _I, _P, _I, _P, _F, _P, _I]),
     "slabserve_silu_mul_f32": (None, [_I, _I, _P, _I, _P, _I]),
     "slabserve_rope_f32": (_RC, [_I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I]),
-    "slabserve_kv_write_f32": (_RC, [_I, _I, _P, _I, _P, _I, _P, _P, _P, _I]),
+    "slabserve_kv_write_f32": (_RC, [_I, _I, _P, _I, _P, _I, _P, _P, _P, _I, _I]),
 }
 
 
@@ -104,7 +104,7 @@ def _load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
         if not lib.slabserve_cpu_supported():
-            raise RuntimeError("this CPU lacks AVX2 or FMA, which the native CPU kernels need")
+            raise RuntimeError("this CPU lacks AVX2, FMA or F16C, which the native CPU kernels need")
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -189,7 +189,7 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     longer prefill chunks, those through the reference. Without the native kernels, or for a layout it does not
     take (fp16/bf16, head_dim not a multiple of 8), the reference does all of it."""
     args = (q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out, workspace)
-    if not (_native_f32(q, k_cache, v_cache) and _attention_layout_ok(q, k_cache)):
+    if not (_native_f32(q, out) and _native_kv(k_cache, v_cache) and _attention_layout_ok(q, k_cache)):
         return reference.prepare_slab_prefill_attention(*args)
     rest = reference.prepare_slab_prefill_attention(*args, done_below=ATTENTION_MAX_ROWS)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -198,7 +198,7 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   lib.slabserve_slab_attention_f32, q.shape[0], slab_offset.shape[0], num_heads, k_cache.shape[1],
                   head_dim, k_cache.shape[0], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                   query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(),
-                  ATTENTION_MAX_ROWS)
+                  ATTENTION_MAX_ROWS, KV_KINDS[k_cache.dtype])
 
     def run() -> None:
         left = short()
@@ -226,6 +226,15 @@ def _heads_packed(x: torch.Tensor) -> bool:
 
 def _native_f32(*tensors: torch.Tensor) -> bool:
     return _load() is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+# KV cache dtypes the native attention and kv_write read and write (kernels/cpu_native.c: KV_F32, KV_BF16, KV_F16)
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (_load() is not None and k_cache.dtype in KV_KINDS and v_cache.dtype == k_cache.dtype
+            and k_cache.device.type == "cpu" and v_cache.device.type == "cpu")
 
 
 # ---------------------------------------------------------------------------------------------------- small ops
@@ -271,14 +280,14 @@ def prepare_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
 
 def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> Callable[[], None]:
-    if not (_native_f32(k, v, k_cache, v_cache) and _heads_packed(k) and _heads_packed(v)
+    if not (_native_f32(k, v) and _native_kv(k_cache, v_cache) and _heads_packed(k) and _heads_packed(v)
             and slot_mapping.stride(0) == 1):
         return reference.prepare_kv_write(k, v, k_cache, v_cache, slot_mapping)
     contracts.check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
     call = _bind((k, v, k_cache, v_cache, slot_mapping), lib.slabserve_kv_write_f32, k.shape[0],
                  k.shape[1] * k.shape[2], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                 v_cache.data_ptr(), slot_mapping.data_ptr(), k_cache.shape[0])
+                 v_cache.data_ptr(), slot_mapping.data_ptr(), k_cache.shape[0], KV_KINDS[k_cache.dtype])
 
     def run() -> None:
         if call():

@@ -39,15 +39,17 @@ Run = Callable[[], None]
 
 
 def cpu_workspace_numel(num_tokens: int, num_heads: int, head_dim: int, max_context: int,
-                        num_kv_heads: int | None = None) -> int:
+                        num_kv_heads: int | None = None, kv_dtype: torch.dtype = torch.float32) -> int:
     """fp32 elements of the one scratch buffer the CPU references share within a step (ops run one at a time):
-    enough for attention over the longest slab, for batched decode attention over DECODE_GROUP_KEYS window rows,
-    for RoPE's rotation and for RMSNorm's row statistics."""
+    enough for attention over the longest slab (with its K/V rows widened to fp32 when the caches hold `kv_dtype`
+    half floats), for batched decode attention over DECODE_GROUP_KEYS window rows, for RoPE's rotation and for
+    RMSNorm's row statistics."""
     num_kv_heads = num_kv_heads or num_heads
     group_seqs = min(num_tokens, DECODE_GROUP_KEYS // 16)
     group = _decode_group_numel(group_seqs, min(DECODE_GROUP_KEYS // group_seqs, GROUP_MAX_WINDOW, max_context),
                                 num_heads, num_kv_heads, head_dim) if num_tokens > 1 else 0
-    return max(prefill_workspace_numel(num_tokens, num_heads, head_dim, max_context), group,
+    widen = _widened_kv_width(kv_dtype, num_kv_heads, head_dim)
+    return max(prefill_workspace_numel(num_tokens, num_heads, head_dim, max_context, widen), group,
                num_tokens * head_dim + 3 * num_tokens * num_heads * (head_dim // 2), 2 * num_tokens)
 
 
@@ -207,6 +209,7 @@ def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
     which come first, with one index_copy_ per cache.
     """
     check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    same_dtype = k.dtype == k_cache.dtype  # index_copy_ takes no other (copy_ rounds into the cache's dtype)
 
     def run() -> None:
         slots = slot_mapping.tolist()
@@ -221,7 +224,7 @@ def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
             runs.append((t, end))
             valid += end - t
             t = end
-        if len(runs) > 2 and runs[-1][1] == valid:  # the valid rows are rows [0, valid): one indexed copy each
+        if len(runs) > 2 and runs[-1][1] == valid and same_dtype:  # valid rows are [0, valid): one indexed copy
             index = slot_mapping[:valid]
             k_cache.index_copy_(0, index, k[:valid])
             v_cache.index_copy_(0, index, v[:valid])
@@ -242,11 +245,20 @@ def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 # ---------------------------------------------------------------------------------------------------- attention
 
 
-def prefill_workspace_numel(num_tokens: int, num_heads: int, head_dim: int, max_context: int) -> int:
+def prefill_workspace_numel(num_tokens: int, num_heads: int, head_dim: int, max_context: int,
+                            widened_kv_width: int = 0) -> int:
     """fp32 elements the CPU attention needs for one sequence of up to `num_tokens` rows over `max_context` keys:
-    the gathered queries and the result (each H*L*D), the scores (H*L*C) and the causal mask of the chunk (L*L).
-    Sequences reuse it one by one; decode sequences are batched in groups that fit it (`_decode_group_numel`)."""
-    return num_heads * num_tokens * (2 * head_dim + max_context) + num_tokens * num_tokens
+    the gathered queries and the result (each H*L*D), the scores (H*L*C), the causal mask of the chunk (L*L) and,
+    for half-precision caches, the slab's K and V rows widened to fp32 (2*C*`widened_kv_width`, the width being
+    Hkv*D: `_widened_kv_width`). Sequences reuse it one by one; decode sequences over fp32 caches are batched in
+    groups that fit it (`_decode_group_numel`)."""
+    return (num_heads * num_tokens * (2 * head_dim + max_context) + num_tokens * num_tokens
+            + 2 * max_context * widened_kv_width)
+
+
+def _widened_kv_width(kv_dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> int:
+    """fp32 values per cache row that attention widens into scratch: none for fp32 caches."""
+    return 0 if kv_dtype == torch.float32 else num_kv_heads * head_dim
 
 
 def _attend_slab(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, scale: float,
@@ -261,9 +273,11 @@ def _attend_slab(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, sc
     context, num_kv_heads = k_slab.shape[0], k_slab.shape[1]
     group = num_heads // num_kv_heads
     rows = group * q_len
-    if k_slab.dtype != torch.float32:  # half-precision caches on CPU: compute in fp32 (copies; CPU serves fp32)
-        k_slab, v_slab = k_slab.float(), v_slab.float()
     n_q, n_s = num_heads * q_len * head_dim, num_heads * q_len * context
+    if k_slab.dtype != torch.float32:  # half-precision caches: widen the slab's rows into fp32 scratch
+        base, n_kv = 2 * n_q + n_s + q_len * q_len, context * num_kv_heads * head_dim
+        k_slab = scratch[base : base + n_kv].view(k_slab.shape).copy_(k_slab)
+        v_slab = scratch[base + n_kv : base + 2 * n_kv].view(v_slab.shape).copy_(v_slab)
     queries = scratch[:n_q].view(num_kv_heads, group, q_len, head_dim)  # (Hkv, G, L, D)
     scores = scratch[n_q : n_q + n_s].view(num_kv_heads, group, q_len, context)  # (Hkv, G, L, C)
     result = scratch[n_q + n_s : 2 * n_q + n_s].view(num_kv_heads, group, q_len, head_dim)  # (Hkv, G, L, D)
@@ -368,13 +382,16 @@ def prepare_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out, workspace)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
+    fp32_caches = k_cache.dtype == torch.float32  # the decode groups gather rows into fp32 scratch as they are
+    widen = _widened_kv_width(k_cache.dtype, num_kv_heads, head_dim)
 
     def run() -> None:
         starts, offsets, contexts = query_start.tolist(), slab_offset.tolist(), context_len.tolist()
         scratch = workspace
         if scratch is None:
             longest = max([c for c in contexts] + [1])
-            scratch = torch.empty(prefill_workspace_numel(q.shape[0], num_heads, head_dim, longest), device=q.device)
+            scratch = torch.empty(prefill_workspace_numel(q.shape[0], num_heads, head_dim, longest, widen),
+                                  device=q.device)
         capacity = scratch.numel()
         out[starts[-1]:].zero_()
         num_seqs, s = len(offsets), 0
@@ -390,7 +407,7 @@ def prepare_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
             if end - begin <= done_below:
                 s += 1
                 continue
-            if end - begin == 1 and context <= GROUP_MAX_WINDOW:  # a decode row: group the decode rows that follow
+            if end - begin == 1 and context <= GROUP_MAX_WINDOW and fp32_caches:  # group the decode rows that follow
                 last, keys, total = s + 1, context, context
                 while (last < num_seqs and starts[last + 1] - starts[last] == 1 and contexts[last] >= 1
                        and max(keys, contexts[last]) <= GROUP_MAX_WINDOW):
@@ -405,7 +422,7 @@ def prepare_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                                          context_len[s:last], keys, scale, out[begin : begin + last - s], scratch)
                     s = last
                     continue
-            need = prefill_workspace_numel(end - begin, num_heads, head_dim, context)
+            need = prefill_workspace_numel(end - begin, num_heads, head_dim, context, widen)
             if capacity < need:
                 raise ValueError(f"slab_prefill_attention: workspace holds {capacity} fp32 values, sequence {s} "
                                  f"({end - begin} rows over {context} keys) needs {need}")
@@ -432,7 +449,9 @@ def slab_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, out, workspace)
     offsets, contexts = slab_offset.tolist(), context_len.tolist()
     # one scratch for every sequence, sized for the longest (the Triton kernel's split workspace has another layout)
-    scratch = torch.empty(prefill_workspace_numel(1, q.shape[1], q.shape[2], max(contexts + [1])), device=q.device)
+    widen = _widened_kv_width(k_cache.dtype, k_cache.shape[1], q.shape[2])
+    scratch = torch.empty(prefill_workspace_numel(1, q.shape[1], q.shape[2], max(contexts + [1]), widen),
+                          device=q.device)
     for s, (offset, context) in enumerate(zip(offsets, contexts)):
         if context == 0:
             out[s].zero_()

@@ -26,9 +26,9 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
     mask = (heads < num_kv_heads) & (dims < head_dim)
     cache_offsets = slot * (num_kv_heads * head_dim) + heads * head_dim + dims  # (BLOCK_H, BLOCK_D)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
+    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)  # rounded to kv_dtype
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def kv_write_launch(num_kv_heads: int, head_dim: int) -> Launch:

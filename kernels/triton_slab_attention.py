@@ -35,14 +35,14 @@ def _online_softmax_step(q, k_cache_ptr, v_cache_ptr, key_offsets, key_mask, dim
     """
     tile_offsets = key_offsets[:, None] + dims[None, :]  # (BLOCK_N, BLOCK_D), contiguous along D
     tile_mask = key_mask[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + tile_offsets, mask=tile_mask, other=0.0)
+    k = tl.load(k_cache_ptr + tile_offsets, mask=tile_mask, other=0.0).to(q.dtype)  # the cache's kv_dtype, widened
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet must not produce NaN
     p = tl.exp2(scores - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    v = tl.load(v_cache_ptr + tile_offsets, mask=tile_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(v_cache_ptr + tile_offsets, mask=tile_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from slabserve.kernels import cpu_native
-from slabserve.runtime.devices import GPU_KINDS, gpu_mismatch, version_mismatch
+from slabserve.runtime.devices import device_mismatch, version_mismatch
 from slabserve.runtime.loader import WeightSource
 from slabserve.runtime.model import DTYPE_NAMES, weight_layout
 from slabserve.runtime.plan import config_fingerprint
@@ -51,30 +51,31 @@ def check_fingerprints(plan, source: WeightSource, directory: Path) -> None:
     if f.weights is not None and source.content_hash() != f.weights:
         raise PlanMismatchError(f"{source.path}: the weights differ from those plan {plan.name!r} was built for "
                                 f"(content hash {f.weights[:12]}...); {rebuild}")
-    if version_mismatch(torch.__version__, f.torch):  # major.minor: a local build tag (+cpu, +cu130) is no matter
-        raise PlanMismatchError(f"torch {torch.__version__} is installed, plan {plan.name!r} was built with torch "
-                                f"{f.torch} (major.minor must match: the traced step follows torch); install that "
+    r = plan.target.requires
+    if version_mismatch(torch.__version__, r.torch):  # major.minor: a local build tag (+cpu, +cu130) is no matter
+        raise PlanMismatchError(f"torch {torch.__version__} is installed, plan {plan.name!r} needs torch {r.torch}.x "
+                                f"(built with {f.torch}; the traced step follows torch's major.minor); install that "
                                 f"version or {rebuild}")
     if plan.engine.device == "cuda":
-        check_cuda_device(plan.name, f, rebuild)
+        check_cuda_device(plan.name, r, f.device, rebuild)
 
 
-def check_cuda_device(plan_name: str, f, rebuild: str) -> None:
-    """A CUDA plan needs a GPU of the kind it names (compute capability and memory, runtime.devices) and the
-    triton major.minor it was built with (its kernels are Triton's); a CPU plan needs neither."""
+def check_cuda_device(plan_name: str, r, target: str, rebuild: str) -> None:
+    """A CUDA plan needs the triton major.minor it was built with (its kernels are Triton's) and a device of its
+    compute capability with the memory it plans (runtime.plan.Requirements, read from
+    torch.cuda.get_device_properties); a CPU plan needs neither."""
     triton = _installed_version("triton")
-    if version_mismatch(triton, f.triton):
-        raise PlanMismatchError(f"triton {triton} is installed, plan {plan_name!r} was built with triton {f.triton}; "
+    if version_mismatch(triton, r.triton):
+        raise PlanMismatchError(f"triton {triton} is installed, plan {plan_name!r} needs triton {r.triton}.x; "
                                 f"install that version or {rebuild}")
     if not torch.cuda.is_available():
-        raise PlanMismatchError(f"plan {plan_name!r} targets CUDA ({f.device}) and this machine has no CUDA device")
-    if f.device not in GPU_KINDS:  # target.memory without target.gpu: any CUDA device; memcheck sizes it
-        return
+        raise PlanMismatchError(f"plan {plan_name!r} targets CUDA ({target}) and this machine has no CUDA device")
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    why = gpu_mismatch(f.device, (props.major, props.minor), props.total_memory)
+    why = device_mismatch(r.compute_capability, r.device_memory_bytes, (props.major, props.minor),
+                          props.total_memory)
     if why is not None:
-        raise PlanMismatchError(f"plan {plan_name!r} was built for {f.device}; this device ({props.name}) has {why}; "
-                                f"{rebuild} with target.gpu set to this GPU")
+        raise PlanMismatchError(f"plan {plan_name!r} was built for {target}; this device ({props.name}) has {why}; "
+                                f"{rebuild} with target.gpu (or target.memory) set to this GPU")
 
 
 def _installed_version(package: str) -> str | None:

@@ -1,9 +1,9 @@
 """The GPUs a plan can target, by what the server can check on the machine it starts on.
 
 Contract: `GPU_KINDS` maps each name a spec's `target.gpu` may use to its compute capability and its memory as
-`nvidia-smi --query-gpu=memory.total` reports it. `gpu_mismatch(name, capability, total_memory)` says why the
-device at hand is not that kind (None when it is), from what `torch.cuda.get_device_properties` reports, never from
-the marketing name (`get_device_name()` says "NVIDIA H100 80GB HBM3" or "NVIDIA H200", which no spec name is a
+`nvidia-smi --query-gpu=memory.total` reports it; a plan records what its target needs from that
+(runtime.plan.Requirements). `device_mismatch(...)` says why the device at hand cannot serve it (None when it can),
+from what `torch.cuda.get_device_properties` reports, never from the marketing name (`get_device_name()` says "NVIDIA H100 80GB HBM3" or "NVIDIA H200", which no spec name is a
 substring of). `version_mismatch` compares the major.minor of two versions, ignoring local build tags ("+cpu").
 """
 from __future__ import annotations
@@ -30,17 +30,18 @@ GPU_KINDS: dict[str, GpuKind] = {
 }
 
 
-def gpu_mismatch(name: str, capability: tuple[int, int], total_memory: int) -> str | None:
-    """Why a device of `capability` and `total_memory` bytes is not a `name` (a key of GPU_KINDS), or None."""
-    kind = GPU_KINDS.get(name)
-    if kind is None:
-        return f"{name!r} is not a known GPU ({', '.join(GPU_KINDS)})"
-    if tuple(capability) != kind.capability:
-        return (f"compute capability {capability[0]}.{capability[1]}, the plan's {name} has "
-                f"{kind.capability[0]}.{kind.capability[1]}")
-    if total_memory < kind.memory_bytes * (1 - MEMORY_TOLERANCE):
-        return (f"{total_memory / MIB:,.0f} MiB of memory, the plan's {name} has {kind.memory_bytes / MIB:,.0f} "
-                f"MiB")
+def device_mismatch(capability_needed: tuple[int, ...] | None, memory_needed: int, capability: tuple[int, int],
+                    total_memory: int) -> str | None:
+    """Why a device of `capability` and `total_memory` bytes (torch.cuda.get_device_properties) cannot serve a plan
+    that needs `capability_needed` (None: any) and `memory_needed` bytes (its arenas and reserve), or None. The
+    memory is compared with MEMORY_TOLERANCE, since plans for a GPU of the table are sized by nvidia-smi's
+    figure, a little above torch's."""
+    if capability_needed is not None and tuple(capability) != tuple(capability_needed):
+        return (f"compute capability {capability[0]}.{capability[1]}, the plan needs "
+                f"{'.'.join(map(str, capability_needed))}")
+    if total_memory < memory_needed * (1 - MEMORY_TOLERANCE):
+        return (f"{total_memory / MIB:,.0f} MiB of memory, the plan needs {memory_needed / MIB:,.0f} MiB (its arenas "
+                f"and reserve)")
     return None
 
 

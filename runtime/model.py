@@ -205,7 +205,8 @@ class LlamaStep(nn.Module):
         # longest slab; no other kernel needs scratch there.
         if x.device.type == "cpu":
             scratch = torch.empty(cpu_workspace_numel(x.shape[0], c.num_heads, c.head_dim, self.max_context,
-                                                      c.num_kv_heads), dtype=torch.float32, device=x.device)
+                                                      c.num_kv_heads, k_cache.dtype),
+                                  dtype=torch.float32, device=x.device)
             attn_workspace = scratch
         else:
             scratch = None

@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 
 SCHEMA = "slabserve.plan"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: target.requires
 GEMMS = ("aten", "native")  # runtime.model.GEMMS (this module imports nothing of ours)
 MAX_QUEUE_DELAY_MS = 3_600_000  # an hour: beyond it admission by latency is off in all but name
 PLAN_FILE = "plan.msgpack"
@@ -201,11 +201,25 @@ class Capacity:
 
 
 @dataclass(frozen=True, slots=True)
+class Requirements:
+    """What a machine needs to serve the plan, as the server can check it there (runtime.bundle_checks): never the
+    build machine's own tags (a plan built with torch 2.13.0+cpu serves on 2.13.x+cu130)."""
+
+    torch: str  # major.minor of the torch the step was traced with ("2.13"): another may trace another graph
+    triton: str | None  # major.minor of triton for a CUDA plan (its kernels are Triton's); None for a CPU plan
+    compute_capability: tuple[int, ...] | None  # (major, minor) of target.gpu (runtime.devices.GPU_KINDS); None:
+                                                # any (a CPU plan, or a CUDA plan given target.memory alone)
+    device_memory_bytes: int  # bytes the device must report (torch.cuda.get_device_properties().total_memory):
+                              # the plan's planned bytes and its reserve; 0 for a CPU plan
+
+
+@dataclass(frozen=True, slots=True)
 class TargetSection:
     device: str
     gpu: str | None
     memory_bytes: int
     reserve_bytes: int
+    requires: Requirements
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,6 +449,7 @@ def check_plan(plan: Plan) -> None:
     if plan.schema != SCHEMA or plan.version != SCHEMA_VERSION:
         raise PlanFormatError(f"schema {plan.schema!r} version {plan.version} is not {SCHEMA!r} {SCHEMA_VERSION}")
     _check_engine(plan.engine, plan.servable)
+    _check_requirements(plan)
     _check_weights(plan.weights)
     _check_kv(plan.kv, plan.model, plan.engine)
     _check_activations(plan.activations, plan.engine.buckets)
@@ -458,6 +473,18 @@ def _nbytes(shape: tuple[int, ...], dtype: str, path: str) -> int:
         total *= dim
         _need(total <= MAX_INT, f"{path}.shape: {list(shape)} overflows")
     return total
+
+
+def _check_requirements(plan: Plan) -> None:
+    r, cuda = plan.target.requires, plan.target.device == "cuda"
+    _need(r.torch == ".".join(plan.fingerprints.torch.split("+")[0].split(".")[:2]),
+          f"target.requires.torch: {r.torch!r} is not the major.minor of fingerprints.torch")
+    _need(cuda or (r.triton is None and r.compute_capability is None and r.device_memory_bytes == 0),
+          "target.requires: a CPU plan requires no triton, compute capability or device memory")
+    _need(r.compute_capability is None or len(r.compute_capability) == 2,
+          "target.requires.compute_capability: expected (major, minor)")
+    _need(not cuda or r.device_memory_bytes == plan.totals.planned_bytes + plan.totals.reserve_bytes,
+          "target.requires.device_memory_bytes: not the plan's planned bytes and reserve")
 
 
 def _check_engine(e: EngineSection, servable: bool) -> None:

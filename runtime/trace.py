@@ -98,7 +98,8 @@ def meta_step(config: ModelConfig, dtype: torch.dtype = torch.float32, rope_posi
 
 def step_example_inputs(config: ModelConfig, num_tokens: int, max_seqs: int, kv_rows: int,
                         dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Inputs of the step's signature at one bucket's shapes (padding values), for tracing."""
+    """Inputs of the step's signature at one bucket's shapes (padding values), for tracing; `dtype` is the KV
+    caches' (the plan's kv_dtype)."""
     c = config
     def z(n: int, dt: torch.dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dt, device=device)
@@ -112,17 +113,20 @@ def step_example_inputs(config: ModelConfig, num_tokens: int, max_seqs: int, kv_
 
 def export_step(step_module: LlamaStep, num_tokens: int, max_seqs: int, kv_rows: int,
                 device: torch.device | str = "cpu",
-                kv_caches: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExportedProgram:
+                kv_caches: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_dtype: torch.dtype | None = None) -> ExportedProgram:
     """Export the step for a bucket of `num_tokens` tokens and `max_seqs` sequences over `kv_rows` KV rows.
 
     Weights stay where the module has them (a meta step traces on `meta` inputs whatever `device` says).
     `kv_caches`: the engine's own KV arena, used as the example caches so that tracing allocates no second one
-    (the exported program keeps its example inputs alive)."""
+    (the exported program keeps its example inputs alive). `kv_dtype`: the example caches' dtype when none are
+    given (default: the weights')."""
     weight = step_module.weight("embed")
     if weight.device.type == "meta":
         device = "meta"
     kv_rows_here = 0 if kv_caches is not None else kv_rows
-    inputs = step_example_inputs(step_module.config, num_tokens, max_seqs, kv_rows_here, weight.dtype, device)
+    inputs = step_example_inputs(step_module.config, num_tokens, max_seqs, kv_rows_here, kv_dtype or weight.dtype,
+                                 device)
     if kv_caches is not None:
         inputs["k_cache"], inputs["v_cache"] = kv_caches
     with torch.no_grad():

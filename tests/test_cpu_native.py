@@ -132,12 +132,50 @@ def test_native_attention_takes_rows_up_to_its_limit_and_leaves_the_rest():
     left = lib.slabserve_slab_attention_f32(rows, 3, q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[0],
                                             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                             query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(),
-                                            scale, out.data_ptr(), limit)
+                                            scale, out.data_ptr(), limit, cpu_native.KV_KINDS[torch.float32])
     assert left == 1
     want = reference.slab_prefill_attention_ref(q, k_cache, v_cache, query_start, slab_offset, context_len, scale,
                                                 torch.empty_like(q))
     torch.testing.assert_close(out[: 1 + limit], want[: 1 + limit], rtol=1e-5, atol=1e-5)
     assert (out[1 + limit :] == 7.0).all(), "the sequence over the limit is the reference's to attend"
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(6))
+def test_half_precision_caches_attend_as_their_fp32_widening(kv_dtype, seed):
+    """A plan's kv_dtype on CPU: the native kernel (short rows) and the reference (the rest, widening the slab into
+    scratch) over bf16/fp16 caches equal attention over the same caches widened to fp32, allocating nothing."""
+    (q, k_cache, v_cache, *meta), _ = _attention_case(seed)
+    half_k, half_v = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    rows, heads, head_dim = q.shape
+    workspace = torch.empty(reference.cpu_workspace_numel(rows, heads, head_dim, 100, k_cache.shape[1], kv_dtype))
+    want = torch.full_like(q, 7.0)
+    reference.slab_prefill_attention_ref(q, half_k.float(), half_v.float(), *meta, want)
+    got = torch.full_like(q, 7.0)
+    run = cpu_native.prepare_slab_attention(q, half_k, half_v, *meta, got, workspace)
+    assert allocations(run, steps=2) == []
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ref_only = torch.full_like(q, 7.0)
+    run = reference.prepare_slab_prefill_attention(q, half_k, half_v, *meta, ref_only, workspace)
+    assert allocations(run, steps=2) == []
+    torch.testing.assert_close(ref_only, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_kv_write_rounds_into_half_caches_as_torch_does(kv_dtype):
+    _, _, k, v = _qkv(9, 4, 2, 20, seed=8)
+    k[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 1e-40, 65519.0])  # specials, subnormal, fp16 edge
+    slots = torch.tensor([3, -1, 0, 7, 8, 9, 10, 11, 1])
+    ours = [torch.full((12, 2, 20), 7.0, dtype=kv_dtype) for _ in range(2)]
+    theirs = [c.clone() for c in ours]
+    cpu_native.prepare_kv_write(k, v, *ours, slots)()
+    reference.kv_write_ref(k, v, *theirs, slots)
+    assert torch.equal(ours[0].view(torch.int16), theirs[0].view(torch.int16))  # bit for bit
+    assert torch.equal(ours[1].view(torch.int16), theirs[1].view(torch.int16))
+    assert torch.equal(theirs[0][3], k[0].to(kv_dtype)) and torch.equal(theirs[0][0], k[2].to(kv_dtype))
+    assert (theirs[0][2] == 7.0).all()  # a row no slot names is untouched
 
 
 # ---------------------------------------------------------------------------------------------------- small ops

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slabserve.compiler.spec import GPUS
-from slabserve.runtime.devices import GPU_KINDS, MIB, gpu_mismatch, major_minor, version_mismatch
+from slabserve.runtime.devices import GPU_KINDS, MIB, device_mismatch, major_minor, version_mismatch
 
 
 @pytest.mark.parametrize("name, capability, total_memory", [
@@ -16,16 +16,19 @@ from slabserve.runtime.devices import GPU_KINDS, MIB, gpu_mismatch, major_minor,
     ("A100-80GB", (8, 0), 85_899_345_920),
     ("L4-24GB", (8, 9), 23_580_639_232),
 ])
-def test_real_devices_match_their_kind(name, capability, total_memory):
-    assert gpu_mismatch(name, capability, total_memory) is None
+def test_real_devices_serve_a_plan_that_fills_their_kind(name, capability, total_memory):
+    kind = GPU_KINDS[name]
+    assert device_mismatch(kind.capability, kind.memory_bytes, capability, total_memory) is None
 
 
 def test_another_kind_is_refused_with_what_differs():
-    assert gpu_mismatch("H100-80GB", (8, 0), 85_899_345_920) == \
-        "compute capability 8.0, the plan's H100-80GB has 9.0"
-    why = gpu_mismatch("H200-141GB", (9, 0), 85_029_158_912)  # an H100 for an H200 plan
+    h100, h200 = GPU_KINDS["H100-80GB"], GPU_KINDS["H200-141GB"]
+    assert device_mismatch(h100.capability, h100.memory_bytes, (8, 0), 85_899_345_920) == \
+        "compute capability 8.0, the plan needs 9.0"
+    why = device_mismatch(h200.capability, h200.memory_bytes, (9, 0), 85_029_158_912)  # an H100, an H200 plan
     assert why.startswith("81,090 MiB of memory") and "143,771 MiB" in why
-    assert "not a known GPU" in gpu_mismatch("B300", (10, 0), 1 << 40)
+    assert device_mismatch(h100.capability, 40 << 30, (9, 0), 150_110_011_392) is None  # a small plan on an H200
+    assert device_mismatch(None, 40 << 30, (8, 9), 23_580_639_232).startswith("22,488 MiB")  # target.memory only
 
 
 def test_the_spec_and_the_runtime_share_one_table():

@@ -105,3 +105,38 @@ def test_stop_matching_helpers():
     assert _find_stop("abcST", 3, ("STOP",)) is None
     assert _held_back("abcST", ("STOP",)) == 2
     assert _held_back("abc", ("STOP", "xyz")) == 0
+
+
+def test_kv_dtype_is_honoured_on_cpu(tmp_path):
+    """A CPU engine with bf16 KV keeps its KV arena in bf16 (half the bytes), warms up and serves with zero
+    allocations, and its logits are the fp32-KV engine's up to the rounding of the cached rows (which they show:
+    the decode step reads rounded keys)."""
+    import torch
+
+    from _models import make_served_tiny_model
+    from slabserve.runtime.executor import allocations
+    from slabserve.runtime.step import SeqChunk
+
+    folder = str(make_served_tiny_model(tmp_path / "model"))
+    engines = {kv: Engine(EngineConfig(folder, (SlabClass(64, 2),), max_seqs=2, step_tokens=8, buckets=(1, 8),
+                                       kv_dtype=kv)) for kv in ("float32", "bfloat16")}
+    full, half = engines["float32"], engines["bfloat16"]
+    assert half.k_cache.dtype == half.v_cache.dtype == torch.bfloat16 and full.k_cache.dtype == torch.float32
+    assert 2 * half.k_cache.nbytes == full.k_cache.nbytes
+    logits = {}
+    for kv, engine in engines.items():
+        engine.inputs[8].fill([SeqChunk(0, 0, [5, 9, 11, 3, 7])])
+        prefill = engine._run_step(8)[:1].clone()
+        engine.inputs[1].fill([SeqChunk(0, 5, [42])])
+        logits[kv] = (prefill, engine._run_step(1)[:1].clone())
+    torch.testing.assert_close(logits["bfloat16"][0], logits["float32"][0], rtol=0, atol=0.05)
+    torch.testing.assert_close(logits["bfloat16"][1], logits["float32"][1], rtol=0, atol=0.05)
+    assert not torch.equal(logits["bfloat16"][1], logits["float32"][1])
+    stopping = StoppingOptions(max_tokens=12, ignore_eos=True)
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12]):
+        half.submit(prompt, SamplingParams(temperature=0.7, seed=3), stopping)
+    half.step()
+    assert allocations(lambda: half.step(), 8) == []
+    while half.has_work():
+        half.step()
+    assert _all_free(half)
