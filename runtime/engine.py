@@ -301,8 +301,11 @@ class Engine:
         the step keep and size by the largest call they have seen (MKL's buffers for the reference attention's
         GEMMs) is at its high-water mark before serving, not the first time a long prompt arrives. Those are kept
         per thread, as is OpenMP's thread team: call this on the thread that steps the engine (runtime.server
-        does). The checked runs start every sequence at position 0, like most steps, and their times seed
-        admission by latency."""
+        does). Then every sequence starts at position 0, like most steps, and those times seed admission by
+        latency. The checked runs are busy steps (a decode row at the end of the longest slab beside prefill chunks
+        and decode rows that start mid-slab), at the serving thread count and again at one thread; on CUDA the
+        caching allocator's counter is checked too. On CUDA the graphs are captured first (CudaGraphRunner) and
+        every run here is a replay."""
         if self.device.type == "cuda" and self._graphs is None:
             self._graphs = CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
                                            self.k_cache, self.v_cache, self.config.graph_budget_bytes)
@@ -319,33 +322,62 @@ class Engine:
                 took = time.perf_counter() - started
                 seconds[bucket] = min(seconds.get(bucket, took), took)
 
-        for longest_first in (True, False):
+        for kind in ("longest", "start"):
             for bucket, inputs in self.inputs.items():
-                inputs.fill(self._warm_up_chunks(bucket, longest_first))
+                inputs.fill(self._warm_up_chunks(bucket, kind))
             every_bucket()
-            if longest_first:
+            if kind == "longest":
                 seconds.clear()  # a step over the longest context is not what a typical step costs
-        check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up")
-        self.scheduler.step_times.seed(seconds)  # admission by latency starts from these, then measures
+        typical = dict(seconds)  # chunks from position 0: admission by latency starts from these
+        # checked: steps that mix a decode row at the end of the longest slab with prefill chunks and decode rows
+        # starting mid-slab, at the serving thread count and at one thread (where every parallel body runs on this
+        # thread, under the check)
+        for bucket, inputs in self.inputs.items():
+            inputs.fill(self._warm_up_chunks(bucket, "mixed"))
+        for single_thread in (False, True):
+            check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
+                                 single_thread=single_thread, device=self.device)
+        self.scheduler.step_times.seed(typical)  # admission by latency starts from these, then measures
         self.warmed_on = threading.get_ident()
 
-    def _warm_up_chunks(self, bucket: int, longest_first: bool = False) -> list[SeqChunk]:
-        """`bucket` tokens spread over free slabs (at most max_seqs), each filled from position 0; with
-        `longest_first` the first chunk ends on the last row of the longest slab (attention over the longest
-        context)."""
-        slabs, offset = [], 0  # (first row, rows) of every slab, in arena order
+    def _slabs(self) -> list[tuple[int, int]]:
+        """(first row, rows) of every slab, in arena order."""
+        slabs, offset = [], 0
         for slab_class in self.config.classes:
             for _ in range(slab_class.count):
                 slabs.append((offset, slab_class.tokens))
                 offset += slab_class.tokens
-        longest = max(range(len(slabs)), key=lambda i: slabs[i][1]) if longest_first else 0
+        return slabs
+
+    def _warm_up_chunks(self, bucket: int, kind: str = "start") -> list[SeqChunk]:
+        """`bucket` tokens spread over free slabs (at most max_seqs sequences), real token ids, rows of free slabs
+        only. `kind`:
+          "start"    every chunk from position 0 (most steps' shape);
+          "longest"  the same, but the first chunk ends on the last row of the longest slab (attention over the
+                     longest context: what libraries size by the largest call reaches its high-water mark);
+          "mixed"    a decode row at the last position of the longest slab, then prefill chunks that start in the
+                     middle of their slabs, then decode rows mid-slab: the shapes of a busy step."""
+        slabs = self._slabs()
+        longest = max(range(len(slabs)), key=lambda i: slabs[i][1])
+        if kind == "mixed":
+            first_row, rows = slabs[longest]
+            chunks, left = [SeqChunk(first_row, rows - 1, [0], rows)], bucket - 1
+            for n, i in enumerate(i for i in range(len(slabs)) if i != longest):
+                if left == 0 or len(chunks) == self.config.max_seqs:
+                    break
+                first_row, rows = slabs[i]
+                size = 1 if n % 2 else min(left, rows - rows // 2)  # decode rows between prefill chunks
+                chunks.append(SeqChunk(first_row, rows // 2, [0] * size, rows))
+                left -= size
+            return chunks  # may leave padding rows: a busy step need not fill its bucket
+        order = [longest] + [i for i in range(len(slabs)) if i != longest] if kind == "longest" else range(len(slabs))
         chunks, left = [], bucket
-        for i in [longest] + [i for i in range(len(slabs)) if i != longest]:
+        for i in order:
             if left == 0 or len(chunks) == self.config.max_seqs:
                 break
             first_row, rows = slabs[i]
             n = min(left, rows)
-            chunks.append(SeqChunk(first_row, rows - n if longest_first and i == longest else 0, [0] * n, rows))
+            chunks.append(SeqChunk(first_row, rows - n if kind == "longest" and i == longest else 0, [0] * n, rows))
             left -= n
         return chunks
 

@@ -387,12 +387,24 @@ def count_allocations(fn: Callable[[], object], steps: int = 1) -> int:
     return len(allocations(fn, steps))
 
 
-def check_no_allocations(fn: Callable[[], object], steps: int, what: str) -> None:
-    """Raise PlanViolationError if `steps` calls of `fn` create any tensor storage."""
-    found = allocations(fn, steps)
+def check_no_allocations(fn: Callable[[], object], steps: int, what: str, single_thread: bool = True,
+                         device: torch.device | None = None) -> None:
+    """Raise PlanViolationError if `steps` calls of `fn` create any tensor storage (`allocations`; with
+    `single_thread` False at the caller's thread count, where what a worker thread allocates is not seen but what
+    the thread count changes on the calling thread is). On a CUDA `device` the caching allocator's own counter of
+    allocations, which sees every thread and stream, must not move either."""
+    cuda = device is not None and device.type == "cuda"
+    before = torch.cuda.memory_stats(device)["allocation.all.allocated"] if cuda else 0
+    found = allocations(fn, steps, single_thread)
+    if cuda:
+        torch.cuda.synchronize(device)
+        grew = torch.cuda.memory_stats(device)["allocation.all.allocated"] - before
+        if grew:
+            found.append(Allocation(0, (f"{grew} CUDA caching-allocator allocations",)))
     if found:
         where = sorted({" > ".join(a.ops) or "(no op)" for a in found})
-        raise PlanViolationError(f"{what} created {len(found)} tensor storages in {steps} steps "
+        threads = "one thread" if single_thread else f"{torch.get_num_threads()} threads"
+        raise PlanViolationError(f"{what} created {len(found)} tensor storages in {steps} steps at {threads} "
                                  f"({sum(a.nbytes for a in found)} bytes) under {where[:5]}: something runs outside "
                                  f"the plan; refusing to serve")
 

@@ -101,20 +101,43 @@ def test_engine_refuses_when_serving_allocates(engine, monkeypatch):
         engine.warm_up()
 
 
-def test_warm_up_attends_over_the_longest_slab():
+def test_warm_up_attends_over_the_longest_slab_and_checks_busy_steps():
     # in the first warm-up runs, the first chunk of every bucket ends on the last row of the longest slab (rows
     # 64..1087 here), so what the libraries under attention size by the context (MKL's buffers) is at its largest
-    # before serving; the checked runs start every chunk at position 0
+    # before serving; the checked runs start every chunk at position 0, then mix a decode row at the end of the
+    # longest slab with prefill chunks and decode rows that start mid-slab
     config = EngineConfig("unused", (SlabClass(32, 2), SlabClass(1024, 1), SlabClass(96, 3)), max_seqs=4,
                           step_tokens=64)
     holder = SimpleNamespace(config=config)
+    holder._slabs = lambda: Engine._slabs(holder)
     for bucket, want in [(1, [(64, 1023, 1)]), (64, [(64, 960, 64)]),
                          (1100, [(64, 0, 1024), (0, 0, 32), (32, 0, 32), (1088, 0, 12)])]:
-        chunks = Engine._warm_up_chunks(holder, bucket, longest_first=True)
+        chunks = Engine._warm_up_chunks(holder, bucket, "longest")
         assert [(c.slab_offset, c.start_pos, len(c.token_ids)) for c in chunks] == want
         assert all(c.start_pos + len(c.token_ids) <= c.slab_tokens for c in chunks)
-    chunks = Engine._warm_up_chunks(holder, 100)
+    chunks = Engine._warm_up_chunks(holder, 100, "start")
     assert [(c.slab_offset, c.start_pos, len(c.token_ids)) for c in chunks] == [(0, 0, 32), (32, 0, 32), (64, 0, 36)]
+    for bucket, want in [(1, [(64, 1023, 1)]), (64, [(64, 1023, 1), (0, 16, 16), (32, 16, 1), (1088, 48, 46)])]:
+        chunks = Engine._warm_up_chunks(holder, bucket, "mixed")
+        assert [(c.slab_offset, c.start_pos, len(c.token_ids)) for c in chunks] == want
+        assert all(c.start_pos + len(c.token_ids) <= c.slab_tokens for c in chunks)
+
+
+def test_the_warm_up_check_runs_at_the_serving_thread_count(engine, monkeypatch):
+    """A step that allocates only when torch runs more than one thread is refused by the warm-up too."""
+    sample = Sampler.sample
+
+    def allocating_with_threads(self, logits, *a):
+        return sample(self, logits.clone() if torch.get_num_threads() > 1 else logits, *a)
+
+    monkeypatch.setattr(Sampler, "sample", allocating_with_threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(PlanViolationError, match=r"warm-up created .* tensor storages in 1 steps at 2 threads"):
+            engine.warm_up()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_engine_steps_only_after_a_warm_up():
