@@ -97,7 +97,7 @@ def test_engine_warm_up_passes_and_serves(engine):
 def test_engine_refuses_when_serving_allocates(engine, monkeypatch):
     sample = Sampler.sample
     monkeypatch.setattr(Sampler, "sample", lambda self, logits, *a: sample(self, logits.clone(), *a))
-    with pytest.raises(PlanViolationError, match="warm-up created .* tensor storages .*aten::clone"):
+    with pytest.raises(PlanViolationError, match=r"warm-up \(mixed steps\) created .* tensor storages .*aten::clone"):
         engine.warm_up()
 
 
@@ -134,7 +134,8 @@ def test_the_warm_up_check_runs_at_the_serving_thread_count(engine, monkeypatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with pytest.raises(PlanViolationError, match=r"warm-up created .* tensor storages in 1 steps at 2 threads"):
+        with pytest.raises(PlanViolationError,
+                           match=r"warm-up \(mixed steps\) created .* tensor storages in 1 steps at 2 threads"):
             engine.warm_up()
     finally:
         torch.set_num_threads(threads)
