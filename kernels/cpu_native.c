@@ -471,8 +471,10 @@ int slabserve_kv_write_f32(int64_t T, int64_t width, const float *k, int64_t ldk
         int64_t i = 0;
         if (kv_kind == KV_F16) {
             for (; i + 8 <= width; i += 8) {
-                _mm_storeu_si128((__m128i *)(kd + i), _mm256_cvtps_ph(_mm256_loadu_ps(ks + i), _MM_FROUND_TO_NEAREST_INT));
-                _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(vs + i), _MM_FROUND_TO_NEAREST_INT));
+                __m128i kh = _mm256_cvtps_ph(_mm256_loadu_ps(ks + i), _MM_FROUND_TO_NEAREST_INT);
+                __m128i vh = _mm256_cvtps_ph(_mm256_loadu_ps(vs + i), _MM_FROUND_TO_NEAREST_INT);
+                _mm_storeu_si128((__m128i *)(kd + i), kh);
+                _mm_storeu_si128((__m128i *)(vd + i), vh);
             }
             for (; i < width; i++) {
                 kd[i] = _cvtss_sh(ks[i], _MM_FROUND_TO_NEAREST_INT);
