@@ -4,7 +4,8 @@ Contract: `GPU_KINDS` maps each name a spec's `target.gpu` may use to its comput
 `nvidia-smi --query-gpu=memory.total` reports it; a plan records what its target needs from that
 (runtime.plan.Requirements). `device_mismatch(...)` says why the device at hand cannot serve it (None when it can),
 from what `torch.cuda.get_device_properties` reports, never from the marketing name (`get_device_name()` says
-"NVIDIA H100 80GB HBM3" or "NVIDIA H200", which no spec name is a substring of). `version_mismatch` compares the major.minor of two versions, ignoring local build tags ("+cpu").
+"NVIDIA H100 80GB HBM3" or "NVIDIA H200", which no spec name is a substring of). `version_mismatch` compares
+the major.minor of two versions, ignoring local build tags ("+cpu").
 """
 from __future__ import annotations
 
