@@ -165,7 +165,7 @@ def save_reference_as_hf(folder: Path, config: dict, reference: dict[str, np.nda
     return folder
 
 
-def make_served_tiny_model(folder: Path, seed: int = 0) -> Path:
+def make_served_tiny_model(folder: Path, seed: int = 0, **overrides) -> Path:
     """A tiny random Llama with a real (tiny, trained here) byte-level BPE tokenizer: an HF folder the Engine can
     serve in milliseconds per step."""
     import json
@@ -178,7 +178,8 @@ def make_served_tiny_model(folder: Path, seed: int = 0) -> Path:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(tokens[:3])
-    make_hf_model(folder, "llama", seed=seed, vocab_size=len(tokens), max_position_embeddings=512)
+    make_hf_model(folder, "llama", seed=seed, **{"vocab_size": len(tokens), "max_position_embeddings": 512,
+                                                 **overrides})
     backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|endoftext|>", "add_bos_token": False,
