@@ -276,11 +276,19 @@ class Engine:
         if not rows:
             return {}
         lives = [self._live[scheduled.chunks[i].request_id] for i in rows]
-        tokens = self._sample_rows(logits, rows, [l.params for l in lives], [l.generator for l in lives])
+        tokens = self._sample_rows(scheduled.bucket, logits, rows, [l.params for l in lives],
+                                   [l.generator for l in lives])
         return {scheduled.chunks[i].request_id: t for i, t in zip(rows, tokens)}
 
-    def _sample_rows(self, logits: torch.Tensor, rows: list[int], params, generators) -> list[int]:
-        """Sample logits[rows] with the preallocated buffers only (no fancy indexing, which allocates)."""
+    def _sample_rows(self, bucket: int, logits: torch.Tensor, rows: list[int], params, generators) -> list[int]:
+        """Sample logits[rows] with the preallocated buffers only. On CUDA the bucket's captured sampling graph
+        samples every logits row (greedy rows cost an argmax) and the rows wanted are read from the one pinned copy
+        of the ids; on CPU only the rows wanted are sampled (no fancy indexing, which allocates)."""
+        if self._graphs is not None:
+            greedy = self.sampler.load(params, generators, rows, logits.shape[0])
+            self._graphs.sample(bucket, greedy)
+            ids = self.sampler.ids_to_host(logits.shape[0]).tolist()
+            return [ids[i] for i in rows]
         r = len(rows)
         if rows[-1] == r - 1 and logits.dtype == torch.float32:  # rows 0..r-1: a view is enough
             picked = logits[:r]
@@ -308,7 +316,8 @@ class Engine:
         every run here is a replay."""
         if self.device.type == "cuda" and self._graphs is None:
             self._graphs = CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
-                                           self.k_cache, self.v_cache, self.config.graph_budget_bytes)
+                                           self.k_cache, self.v_cache, self.config.graph_budget_bytes,
+                                           self.sampler, self._picked)
         params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
         generators = [make_generator(0), make_generator(1)]
         seconds: dict[int, float] = {}
@@ -318,7 +327,7 @@ class Engine:
                 started = time.perf_counter()
                 logits = self._run_step(bucket)  # (R, V), R = logits_rows(bucket, max_seqs)
                 rows = list(range(min(2, logits.shape[0])))
-                self._sample_rows(logits, rows, params[: len(rows)], generators[: len(rows)])
+                self._sample_rows(bucket, logits, rows, params[: len(rows)], generators[: len(rows)])
                 took = time.perf_counter() - started
                 seconds[bucket] = min(seconds.get(bucket, took), took)
 
@@ -338,6 +347,9 @@ class Engine:
             check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
                                  single_thread=single_thread, device=self.device)
         self.scheduler.step_times.seed(typical)  # admission by latency starts from these, then measures
+        if self.device.type == "cuda":  # what start-up freed (tracing's temporaries) goes back: reserved = planned
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         self.warmed_on = threading.get_ident()
 
     def _slabs(self) -> list[tuple[int, int]]:

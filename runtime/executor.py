@@ -413,44 +413,52 @@ def check_no_allocations(fn: Callable[[], object], steps: int, what: str, single
 
 
 class CudaGraphRunner:
-    """One CUDA graph per bucket over the planned executor, captured at start-up into one private memory pool.
+    """CUDA graphs captured at start-up into one private memory pool: per bucket, the step, and (given a sampler)
+    the sampling of its logits rows in two modes, greedy (argmax) and sampled (runtime.sampler.Sampler.select).
 
     `inputs`: each bucket's device step inputs (runtime.step.StepInputs.tensors(): fixed tensors the caller fills
-    before `replay`), so a replay reads and writes only memory fixed at capture. Before capturing, every bucket runs
-    once on the capture stream itself, so what libraries create on first use (Triton's compiled kernels, cuBLAS's
-    handle and its per-stream workspace) exists before capture and is not first allocated inside it. Graphs are
-    captured largest bucket first (later captures reuse its pool blocks). `added_bytes` is what all of this added to
-    the caching allocator's reservation (the pool and the workspaces); over `budget_bytes` (the plan's line for it)
-    it refuses, as it does when a bucket's capture fails (naming the node and op). Never recaptures."""
+    before `replay`), so a replay reads and writes only memory fixed at capture. Sampling graphs read the bucket's
+    logits (a view of the activation arena) through `picked` (fp32 rows) and the sampler's device parameters, and
+    write its token ids: the sampler's own ops (sorts, scans, reductions) take scratch from the caching allocator
+    when run eagerly, inside a graph they take it once, from the pool. Before capturing, every bucket runs once on
+    the capture stream itself, so what libraries create on first use (Triton's compiled kernels, cuBLAS's handle
+    and its per-stream workspace) exists before capture and is not first allocated inside it. Graphs are captured
+    largest bucket first (later captures reuse its pool blocks). `added_bytes` is what all of this added to the
+    caching allocator's reservation (the pool and the workspaces); over `budget_bytes` (the plan's line for it)
+    it refuses, as it does when a capture fails (naming the node and op). Never recaptures."""
 
     def __init__(self, executor: PlannedExecutor, inputs: Mapping[int, Mapping[str, torch.Tensor]],
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, budget_bytes: int | None = None):
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, budget_bytes: int | None = None,
+                 sampler=None, picked: torch.Tensor | None = None):
         import time
 
         self.executor, self.k_cache, self.v_cache = executor, k_cache, v_cache
+        self.sampler, self.picked = sampler, picked
         torch.cuda.synchronize()
         reserved = torch.cuda.memory_reserved()
         self.stream = torch.cuda.Stream()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for b in executor.buckets:
-                executor.run_naming_failures(b, inputs[b], k_cache, v_cache)
+                logits = executor.run_naming_failures(b, inputs[b], k_cache, v_cache)
+                for greedy in (True, False):
+                    self._sample(logits, greedy)
         self.stream.synchronize()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sampling: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_s: dict[int, float] = {}
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(executor.buckets, reverse=True):
             started = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                    self.logits[b] = executor.run_naming_failures(b, inputs[b], k_cache, v_cache)
-            except PlanViolationError as exc:
-                raise PlanViolationError(f"CUDA graph capture failed: {exc}; refusing the plan") from exc
-            except RuntimeError as exc:
-                raise PlanViolationError(f"bucket {b}: CUDA graph capture failed: {exc}; refusing the plan") from exc
-            self.graphs[b] = graph
+            self.graphs[b] = self._capture(pool, f"bucket {b}",
+                                           lambda: self.logits.__setitem__(b, executor.run_naming_failures(
+                                               b, inputs[b], k_cache, v_cache)))
+            if sampler is not None:
+                for greedy in (True, False):
+                    self.sampling[b, greedy] = self._capture(pool, f"bucket {b}'s {'greedy' if greedy else ''} "
+                                                                   f"sampling", lambda: self._sample(self.logits[b],
+                                                                                                     greedy))
             self.capture_s[b] = time.perf_counter() - started
         torch.cuda.synchronize()
         self.added_bytes = torch.cuda.memory_reserved() - reserved
@@ -460,8 +468,30 @@ class CudaGraphRunner:
                 f"memory, over the {budget_bytes} bytes the plan leaves for it (target.reserve): raise target.reserve "
                 f"by {self.added_bytes - budget_bytes} bytes or use fewer buckets")
 
+    def _capture(self, pool, what: str, body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                body()
+        except PlanViolationError as exc:
+            raise PlanViolationError(f"CUDA graph capture failed: {exc}; refusing the plan") from exc
+        except RuntimeError as exc:
+            raise PlanViolationError(f"{what}: CUDA graph capture failed: {exc}; refusing the plan") from exc
+        return graph
+
+    def _sample(self, logits: torch.Tensor, greedy: bool) -> None:
+        if self.sampler is None:
+            return
+        rows = self.picked[: logits.shape[0]]
+        rows.copy_(logits)
+        self.sampler.select(rows, greedy)
+
     def replay(self, bucket: int) -> torch.Tensor:
         """Run `bucket`'s graph on the current stream over its filled inputs: the logits (R, V), the tensor the
         capture returned (a view of the activation arena)."""
         self.graphs[bucket].replay()
         return self.logits[bucket]
+
+    def sample(self, bucket: int, greedy: bool) -> None:
+        """Sample every logits row of `bucket`'s last replay into the sampler's token ids (parameters loaded)."""
+        self.sampling[bucket, greedy].replay()

@@ -94,47 +94,58 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """logits (R, V) float32 on the sampler's device -> token ids (R,) int64 on the host, a view of a
-        preallocated buffer (valid until the next call)."""
+        """logits (R, V) float32 on the sampler's device, row i sampled with params[i] -> token ids (R,) int64 on
+        the host, a view of a preallocated buffer (valid until the next call)."""
+        r = logits.shape[0]
+        greedy = self.load(params, generators)
+        self.select(logits, greedy)
+        return self.ids_to_host(r)
+
+    def load(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+             rows: Sequence[int] | None = None, total: int | None = None) -> bool:
+        """Write the parameters of logits rows `rows` (default 0 .. len(params) - 1) and draw their uniforms; the
+        other rows below `total` get greedy defaults. Copies them to the device (asynchronously, on the current
+        stream) and returns whether every row is greedy (then `select` needs only the argmax)."""
+        rows = range(len(params)) if rows is None else rows
+        total = len(params) if total is None else total
+        a = self._np
+        uniform = self.host_rows[:, 3:4]
+        a["rows"][:total] = (1.0, 1.0, 0.0, 0.0)
+        a["top_k"][:total] = self.vocab_size
+        a["greedy"][:total] = True
+        for row, p, g in zip(rows, params, generators):
+            a["rows"][row, :3] = (1.0 / p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p)
+            a["top_k"][row, 0] = p.top_k if p.top_k > 0 else self.vocab_size
+            a["greedy"][row] = p.greedy
+            if not p.greedy:
+                torch.rand(1, generator=g, out=uniform[row])
+        if self.rows is not self.host_rows:
+            self.rows[:total].copy_(self.host_rows[:total], non_blocking=True)
+            self.top_k[:total].copy_(self.host_top_k[:total], non_blocking=True)
+            self.greedy[:total].copy_(self.host_greedy[:total], non_blocking=True)
+        return all(p.greedy for p in params)
+
+    def select(self, logits: torch.Tensor, greedy_only: bool) -> None:
+        """token_ids[:R] for logits (R, V) with the loaded parameters: device work only, on fixed buffers, so a
+        CUDA graph can capture it (runtime.executor.CudaGraphRunner does, per bucket and mode)."""
         r = logits.shape[0]
         torch.argmax(logits, dim=-1, out=self.greedy_ids[:r])
-        if all(p.greedy for p in params):
-            return self._to_host(self.greedy_ids, r)
-        self._load_params(params, generators)
+        if greedy_only:
+            self.token_ids[:r].copy_(self.greedy_ids[:r])
+            return
         self._filtered_probs(logits)
         self._draw(r)
         torch.gather(self.order[:r], 1, self.choice[:r], out=self.drawn[:r])
         torch.where(self.greedy[:r], self.greedy_ids[:r], self.drawn[:r, 0], out=self.token_ids[:r])
-        return self._to_host(self.token_ids, r)
 
-    def _to_host(self, ids: torch.Tensor, r: int) -> torch.Tensor:
+    def ids_to_host(self, r: int) -> torch.Tensor:
+        """token_ids[:r] on the host: on CUDA copied into the pinned buffer, then the step's one synchronisation."""
         if self._copied is None:
-            if ids is not self.host_ids:
-                self.host_ids[:r].copy_(ids[:r])
-            return self.host_ids[:r]
-        self.host_ids[:r].copy_(ids[:r], non_blocking=True)
+            return self.token_ids[:r]
+        self.host_ids[:r].copy_(self.token_ids[:r], non_blocking=True)
         self._copied.record()
-        self._copied.synchronize()  # the step's one synchronisation
+        self._copied.synchronize()
         return self.host_ids[:r]
-
-    def _load_params(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> None:
-        a = self._np
-        uniform = self.host_rows[:, 3:4]
-        for row, (p, g) in enumerate(zip(params, generators)):
-            a["rows"][row, 0] = 1.0 / p.temperature if p.temperature > 0 else 1.0
-            a["rows"][row, 1] = p.top_p
-            a["rows"][row, 2] = p.min_p
-            a["top_k"][row, 0] = p.top_k if p.top_k > 0 else self.vocab_size
-            a["greedy"][row] = p.greedy
-            if p.greedy:
-                a["rows"][row, 3] = 0.0
-            else:
-                torch.rand(1, generator=g, out=uniform[row])
-        if self.rows is not self.host_rows:
-            r = len(params)
-            self.rows[:r].copy_(self.host_rows[:r], non_blocking=True)
-            self.top_k[:r].copy_(self.host_top_k[:r], non_blocking=True)
-            self.greedy[:r].copy_(self.host_greedy[:r], non_blocking=True)
 
     def _filtered_probs(self, logits: torch.Tensor) -> None:
         """probs[:r] = softmax(logits / T), sorted descending, with top-k, min-p and top-p cuts set to 0."""
