@@ -72,28 +72,6 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
     }
 }
 
-/* One row times one panel with four accumulators: a single row has too few independent FMAs for two. */
-static void tile_row(int64_t K, const float *x, const float *p, float *y) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 2 <= K; k += 2) {
-        _mm_prefetch((const char *)(p + (k + PREFETCH_ROWS) * PANEL), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p + (k + PREFETCH_ROWS) * PANEL + 16), _MM_HINT_T0);
-        __m256 s0 = _mm256_broadcast_ss(x + k), s1 = _mm256_broadcast_ss(x + k + 1);
-        a0 = _mm256_fmadd_ps(s0, _mm256_loadu_ps(p + k * PANEL), a0);
-        a1 = _mm256_fmadd_ps(s0, _mm256_loadu_ps(p + k * PANEL + 8), a1);
-        a2 = _mm256_fmadd_ps(s1, _mm256_loadu_ps(p + k * PANEL + 16), a2);
-        a3 = _mm256_fmadd_ps(s1, _mm256_loadu_ps(p + k * PANEL + 24), a3);
-    }
-    if (k < K) {
-        __m256 s0 = _mm256_broadcast_ss(x + k);
-        a0 = _mm256_fmadd_ps(s0, _mm256_loadu_ps(p + k * PANEL), a0);
-        a1 = _mm256_fmadd_ps(s0, _mm256_loadu_ps(p + k * PANEL + 8), a1);
-    }
-    _mm256_storeu_ps(y, _mm256_add_ps(a0, a2));
-    _mm256_storeu_ps(y + 8, _mm256_add_ps(a1, a3));
-}
-
 /* Up to six rows of x times one panel into y, 16 columns wide. */
 static inline __attribute__((always_inline)) void rows_times_panel(int mr, int64_t K, const float *x, int64_t ldx,
                                                                    const float *p, float *y, int64_t ldy) {
@@ -104,7 +82,7 @@ static inline __attribute__((always_inline)) void rows_times_panel(int mr, int64
         case 3: tile(3, K, x, ldx, p, y, ldy); break;
         case 2: tile(2, K, x, ldx, p, y, ldy); break;
         default:
-            if (mr == 1) tile_row(K, x, p, y);
+            if (mr == 1) tile(1, K, x, ldx, p, y, ldy);
             break;
     }
 }
@@ -161,17 +139,20 @@ void slabserve_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64
 
 /* ------------------------------------------------------------------------------------------------ attention
  *
- * slab attention of short query runs (decode rows, and prefill chunks of up to `max_q_len` rows): sequence s owns
- * query rows query_start[s] .. query_start[s+1]-1; its row j sits at position p = context_len[s] - q_len + j and
- * sees cache rows slab_offset[s] + [0, p]. One task per (sequence, kv head): the G = H / Hkv query heads of the
- * group take each block of 64 K and V rows in turn while it sits in L1, with the softmax computed online (running
- * max and sum per head, accumulator rescaled when the max grows), so nothing but a few KB of stack is needed
- * whatever the context. Sequences with more rows, no rows, or fewer keys than rows are left untouched
- * (the caller runs them). */
+ * slab attention of decode rows and prefill chunks of any length: sequence s owns query rows query_start[s] ..
+ * query_start[s+1]-1; its row j sits at position p = context_len[s] - q_len + j and sees cache rows
+ * slab_offset[s] + [0, p]. A task takes up to a tile of consecutive rows for one kv head: the rows and the G =
+ * H / Hkv query heads of the group take each block of 64 K and V rows in turn while it sits in L1, with the softmax
+ * computed online (running max and sum per row and head, accumulator rescaled when the max grows), so nothing but
+ * the stack is needed whatever the context. Sequences with fewer keys than rows see nothing (zeroed). */
 
 #define KEY_BLOCK 64
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+/* Query rows a task takes through each block of keys: as many as keep its accumulators (rows x group x head_dim
+ * floats) within TILE_FLOATS on the stack (64 KB), at most MAX_ROW_TILE; 4 at the largest group and head_dim. */
+#define TILE_FLOATS (MAX_GROUP * MAX_HEAD_DIM * 4)
+#define MAX_ROW_TILE 16
 
 /* exp(x) for 8 floats: Cephes' range reduction and degree-5 polynomial (relative error about 2e-7); inputs
  * below -87.3 give 0. */
@@ -283,53 +264,76 @@ static void block_softmax(int D, float *sc, int len, float *m, float *l, float *
     *l += hsum256(total) + rest;
 }
 
-/* One query row's G heads (q: G rows of D, stride D) over `n` keys starting at element `first` of k/v (row stride
- * ldkv elements, of `kind`), into out (G rows of D). Each block of keys is read once per head while it sits in L1. */
-static inline __attribute__((always_inline)) void attend_row_kind(int G, int D, const float *q, const void *k,
-                                                                  const void *v, int64_t first, int64_t ldkv,
-                                                                  int64_t n, float scale, float *out, int kind) {
-    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], sc[KEY_BLOCK];
+/* `R` consecutive query rows of one sequence, each with its G heads (row r: G rows of D at q + r * ldq), over
+ * the keys starting at element `first` of k/v (row stride ldkv elements, of `kind`): row r sees n0 + r keys. Each
+ * block of KEY_BLOCK keys is loaded once for all R rows and G heads while it sits in L1, and every row takes the
+ * blocks at the same key offsets (0, 64, 128, ...) in the same order with the same code, whatever R is and
+ * whichever row of its chunk it is: a row's result depends only on its query and its keys, never on how the
+ * prompt was cut into chunks or what else shares the step (the exactness prefix reuse relies on). */
+static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G, int D, const float *q, int64_t ldq,
+                                                                   const void *k, const void *v, int64_t first,
+                                                                   int64_t ldkv, int64_t n0, float scale,
+                                                                   float *out, int64_t ldo, int kind) {
+    float acc[TILE_FLOATS], m[MAX_ROW_TILE * MAX_GROUP], l[MAX_ROW_TILE * MAX_GROUP], sc[KEY_BLOCK];
     size_t item = kind == KV_F32 ? 4 : 2;
-    for (int h = 0; h < G; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-        memset(acc[h], 0, D * sizeof(float));
+    for (int i = 0; i < R * G; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
     }
-    for (int64_t start = 0; start < n; start += KEY_BLOCK) {
-        int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
+    memset(acc, 0, (size_t)R * G * D * sizeof(float));
+    int64_t n_last = n0 + R - 1;
+    for (int64_t start = 0; start < n_last; start += KEY_BLOCK) {
         const char *kb = (const char *)k + (first + start * ldkv) * item;
         const char *vb = (const char *)v + (first + start * ldkv) * item;
-        for (int h = 0; h < G; h++) {
-            block_scores(D, q + h * D, kb, ldkv, len, scale, sc, kind);
-            block_softmax(D, sc, len, &m[h], &l[h], acc[h]);
-            block_values(D, sc, vb, ldkv, len, acc[h], kind);
+        for (int r = 0; r < R; r++) {
+            int64_t n = n0 + r;
+            if (start >= n) continue;
+            int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
+            for (int h = 0; h < G; h++) {
+                int i = r * G + h;
+                block_scores(D, q + r * ldq + h * D, kb, ldkv, len, scale, sc, kind);
+                block_softmax(D, sc, len, &m[i], &l[i], acc + (size_t)i * D);
+                block_values(D, sc, vb, ldkv, len, acc + (size_t)i * D, kind);
+            }
         }
     }
-    for (int h = 0; h < G; h++) {
-        float inv = 1.0f / l[h];
-        for (int d = 0; d < D; d++) out[h * D + d] = acc[h][d] * inv;
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < G; h++) {
+            int i = r * G + h;
+            float inv = 1.0f / l[i];
+            for (int d = 0; d < D; d++) out[r * ldo + h * D + d] = acc[(size_t)i * D + d] * inv;
+        }
+}
+
+/* attend_rows_kind with `kind` a constant in each branch, so each gets its own loads inlined. */
+static void attend_rows(int R, int G, int D, const float *q, int64_t ldq, const void *k, const void *v,
+                        int64_t first, int64_t ldkv, int64_t n0, float scale, float *out, int64_t ldo, int kind) {
+    if (kind == KV_BF16) attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_BF16);
+    else if (kind == KV_F16) attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_F16);
+    else attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_F32);
+}
+
+/* The sequence owning flat row `row` (query_start ascending, row < query_start[num_seqs]). */
+static int64_t seq_of_row(const int32_t *query_start, int64_t num_seqs, int64_t row) {
+    int64_t lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {  /* the last s with query_start[s] <= row; empty sequences before it are skipped */
+        int64_t mid = (lo + hi + 1) / 2;
+        if (query_start[mid] <= row) lo = mid;
+        else hi = mid - 1;
     }
+    return lo;
 }
 
-/* attend_row_kind with `kind` a constant in each branch, so each gets its own loads inlined. */
-static void attend_row(int G, int D, const float *q, const void *k, const void *v, int64_t first, int64_t ldkv,
-                       int64_t n, float scale, float *out, int kind) {
-    if (kind == KV_BF16) attend_row_kind(G, D, q, k, v, first, ldkv, n, scale, out, KV_BF16);
-    else if (kind == KV_F16) attend_row_kind(G, D, q, k, v, first, ldkv, n, scale, out, KV_F16);
-    else attend_row_kind(G, D, q, k, v, first, ldkv, n, scale, out, KV_F32);
-}
-
-/* Attends every sequence of 1 to max_q_len rows that has at least as many keys as rows, and zeroes the rows that
- * see no key (those of sequences with fewer keys than rows, and the padding rows from query_start[num_seqs] to
- * num_rows). Returns how many sequences it left to the caller (more than max_q_len rows); or, having done
- * nothing, -1 when the head layout is beyond this kernel and -2 when the metadata points outside the rows of q
- * or past the caches' cache_rows. */
+/* Attends every sequence that has at least as many keys as rows (decode rows and prefill chunks of any length),
+ * and zeroes the rows that see no key (those of sequences with fewer keys than rows, and the padding rows from
+ * query_start[num_seqs] to num_rows). The work is split into tasks of up to `row_tile` flat rows per kv head, so
+ * a long chunk spreads over every thread. Returns 0; or, having done nothing, -1 when the head layout is beyond
+ * this kernel and -2 when the metadata points outside the rows of q or past the caches' cache_rows. */
 int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t cache_rows, const float *q, int64_t ldq,
                                  const void *k_cache,
                                  const void *v_cache, const int32_t *query_start, const int64_t *slab_offset,
-                                 const int32_t *context_len, float scale, float *out, int64_t max_q_len,
-                                 int64_t kv_kind) {
+                                 const int32_t *context_len, float scale, float *out, int64_t kv_kind) {
     int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads || head_dim % 8 || head_dim > MAX_HEAD_DIM)
         return -1;
@@ -342,30 +346,38 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
             && (slab_offset[s] < 0 || slab_offset[s] + context_len[s] > cache_rows))
             return -2;
     }
-    int left = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         int64_t rows = query_start[s + 1] - query_start[s];
         if (rows >= 1 && context_len[s] < rows)
             memset(out + query_start[s] * ldo, 0, rows * ldo * sizeof(float));
-        else if (rows > max_q_len)
-            left++;
     }
+    int64_t real_rows = query_start[num_seqs] - query_start[0];
     if (query_start[num_seqs] < num_rows)
         memset(out + query_start[num_seqs] * ldo, 0, (num_rows - query_start[num_seqs]) * ldo * sizeof(float));
+    int64_t row_tile = TILE_FLOATS / (group * head_dim);
+    if (row_tile > MAX_ROW_TILE) row_tile = MAX_ROW_TILE;
+    int64_t tiles = (real_rows + row_tile - 1) / row_tile;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t s = 0; s < num_seqs; s++) {
-        for (int64_t g = 0; g < num_kv_heads; g++) {
-            int64_t begin = query_start[s], rows = query_start[s + 1] - begin, context = context_len[s];
-            if (rows < 1 || rows > max_q_len || context < rows) continue;
-            int64_t first = slab_offset[s] * ldkv + g * head_dim;
-            for (int64_t j = 0; j < rows; j++) {
-                const float *qr = q + (begin + j) * ldq + g * group * head_dim;
-                attend_row((int)group, (int)head_dim, qr, k_cache, v_cache, first, ldkv, context - rows + j + 1,
-                           scale, out + (begin + j) * ldo + g * group * head_dim, (int)kv_kind);
+    for (int64_t g = 0; g < num_kv_heads; g++) {
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t r = query_start[0] + t * row_tile, r_end = r + row_tile;
+            if (r_end > query_start[num_seqs]) r_end = query_start[num_seqs];
+            int64_t s = seq_of_row(query_start, num_seqs, r);
+            while (r < r_end) {  /* one run per sequence the tile touches */
+                while (query_start[s + 1] <= r) s++;
+                int64_t begin = query_start[s], rows = query_start[s + 1] - begin, context = context_len[s];
+                int64_t run_end = query_start[s + 1] < r_end ? query_start[s + 1] : r_end;
+                if (context >= rows) {
+                    const float *qr = q + r * ldq + g * group * head_dim;
+                    attend_rows((int)(run_end - r), (int)group, (int)head_dim, qr, ldq, k_cache, v_cache,
+                                slab_offset[s] * ldkv + g * head_dim, ldkv, context - rows + (r - begin) + 1,
+                                scale, out + r * ldo + g * group * head_dim, ldo, (int)kv_kind);
+                }
+                r = run_end;
             }
         }
     }
-    return left;
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------ elementwise

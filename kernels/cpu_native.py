@@ -36,17 +36,12 @@ from slabserve.kernels.contracts import PANEL, check_linear, panel_shape
 SOURCE = Path(__file__).with_name("cpu_native.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 _LIBS = ("-lm",)
-# Sequences of up to this many query rows are attended by the native kernel (a query row at a time, so each row
-# reads its keys again); longer prefill chunks by the reference's GEMMs, which reuse each K/V row across all the
-# chunk's rows.
-ATTENTION_MAX_ROWS = 16
-
 _state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there is none (filled once)
 
 _I, _P, _F, _RC = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # C function -> (return type, argument types), as declared in cpu_native.c
     "slabserve_linear_f32": (None, [_I, _I, _I, _P, _I, _P, _P, _I, _P, _I]),
-    "slabserve_slab_attention_f32": (_RC, [_I, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _F, _P, _I, _I]),
+    "slabserve_slab_attention_f32": (_RC, [_I, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _F, _P, _I]),
     "slabserve_rms_norm_f32": (None, [_I, _I, _P, _I, _P, _F, _P, _I]),
     "slabserve_silu_mul_f32": (None, [_I, _I, _P, _I, _P, _I]),
     "slabserve_rope_f32": (_RC, [_I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I]),
@@ -184,29 +179,26 @@ def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
 def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                            slab_offset: torch.Tensor, context_len: torch.Tensor, scale: float, out: torch.Tensor,
                            workspace: torch.Tensor | None = None) -> Callable[[], None]:
-    """slabserve::slab_attention on CPU (semantics: kernels.reference): sequences of up to ATTENTION_MAX_ROWS
-    query rows (and the zeroing of rows that see no key) through the native kernel, and only when a step has
-    longer prefill chunks, those through the reference. Without the native kernels, or for a layout it does not
-    take (fp16/bf16, head_dim not a multiple of 8), the reference does all of it."""
+    """slabserve::slab_attention on CPU (semantics: kernels.reference): every sequence, decode rows and prefill
+    chunks of any length, through the native kernel, whose rows each get the same arithmetic whatever chunk or
+    batch they sit in. Without the native kernels, or for a layout it does not take (fp32 activations only, head_dim
+    a multiple of 8 up to 256, at most 16 query heads per kv head), the reference does all of it."""
     args = (q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out, workspace)
     if not (_native_f32(q, out) and _native_kv(k_cache, v_cache) and _attention_layout_ok(q, k_cache)):
         return reference.prepare_slab_prefill_attention(*args)
-    rest = reference.prepare_slab_prefill_attention(*args, done_below=ATTENTION_MAX_ROWS)
+    contracts.check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out, workspace)
     num_heads, head_dim = q.shape[1], q.shape[2]
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
-    short = _bind((q, k_cache, v_cache, query_start, slab_offset, context_len, out),
-                  lib.slabserve_slab_attention_f32, q.shape[0], slab_offset.shape[0], num_heads, k_cache.shape[1],
-                  head_dim, k_cache.shape[0], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                  query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(),
-                  ATTENTION_MAX_ROWS, KV_KINDS[k_cache.dtype])
+    call = _bind((q, k_cache, v_cache, query_start, slab_offset, context_len, out),
+                 lib.slabserve_slab_attention_f32, q.shape[0], slab_offset.shape[0], num_heads, k_cache.shape[1],
+                 head_dim, k_cache.shape[0], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                 query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(),
+                 KV_KINDS[k_cache.dtype])
 
     def run() -> None:
-        left = short()
-        if left < 0:
+        if call() < 0:
             raise ValueError(f"slab_attention: query_start, slab_offset or context_len point outside the "
                              f"{q.shape[0]} rows of q or past the caches' {k_cache.shape[0]} rows")
-        if left:  # sequences longer than ATTENTION_MAX_ROWS are left: the reference's GEMMs take them
-            rest()
 
     return run
 

@@ -58,6 +58,20 @@ def test_native_linear_matches_reference(m, k, n):
 
 
 @needs_native
+def test_native_linear_rows_do_not_depend_on_the_other_rows():
+    """Each output row is bit for bit the same whatever rows share the call and wherever it sits among them (one
+    alone, as a decode step of one runs it, or inside tiles of any height): a KV row written by a decode step
+    equals the one a prefill chunk writes for the same token, which prefix reuse relies on."""
+    k, n = 200, 70
+    x, w, r = _randn(61, k, seed=11), cpu_native.pack_panels(_randn(k, n, seed=12)), _randn(61, n, seed=13)
+    whole = cpu_native.linear_native(x, w, torch.empty(61, n), r)
+    for m in (1, 2, 3, 5, 7, 8, 13, 32):
+        for first in (0, 17, 61 - m):
+            part = cpu_native.linear_native(x[first : first + m], w, torch.empty(m, n), r[first : first + m])
+            assert torch.equal(part, whole[first : first + m]), f"rows {first}..{first + m - 1} of {m}"
+
+
+@needs_native
 def test_native_linear_takes_strided_rows_and_writes_only_its_columns():
     """x and out may be column slices of wider rows (the fused qkv and the residual stream are)."""
     wide_x, wide_out = _randn(7, 100, seed=4), torch.zeros(7, 50)
@@ -117,35 +131,57 @@ def test_native_attention_matches_reference(seed):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _attend_pieces(q, k_cache, v_cache, pieces, offset, others, gen):
+    """Attend the prompt rows q (n, H, D) cut into `pieces` (row counts), one step per piece, each step also holding
+    `others` one-row sequences of random queries over their own slabs before it and two padding rows after; the
+    prompt's output rows, gathered."""
+    outs, done = [], 0
+    heads, head_dim = q.shape[1], q.shape[2]
+    for size in pieces:
+        rows = others + size
+        step_q = torch.cat([torch.randn(others, heads, head_dim, generator=gen), q[done : done + size],
+                            torch.randn(2, heads, head_dim, generator=gen)])
+        query_start = torch.tensor(list(range(others + 1)) + [rows], dtype=torch.int32)
+        slab_offset = torch.tensor([10 * i for i in range(others)] + [offset])
+        context_len = torch.tensor([1 + 3 * i for i in range(others)] + [done + size], dtype=torch.int32)
+        out = torch.full_like(step_q, 7.0)
+        cpu_native.prepare_slab_attention(step_q, k_cache, v_cache, query_start, slab_offset, context_len,
+                                          head_dim ** -0.5, out)()
+        assert (out[rows:] == 0).all(), "padding rows are zeroed"
+        outs.append(out[others:rows])
+        done += size
+    return torch.cat(outs)
+
+
 @needs_native
-def test_native_attention_takes_rows_up_to_its_limit_and_leaves_the_rest():
-    args, workspace = _attention_case(0)
-    q, k_cache, v_cache, _, _, _, scale = args
-    limit = cpu_native.ATTENTION_MAX_ROWS
-    query_start = torch.tensor([0, 1, 1 + limit, 2 + 2 * limit], dtype=torch.int32)  # 1, limit, limit + 1 rows
-    rows = int(query_start[-1])
-    q = torch.randn(rows, q.shape[1], q.shape[2])
-    slab_offset = torch.tensor([0, 100, 200])
-    context_len = torch.tensor([30, limit + 3, limit + 9], dtype=torch.int32)
-    out = torch.full_like(q, 7.0)
-    lib = cpu_native._state["lib"]
-    left = lib.slabserve_slab_attention_f32(rows, 3, q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[0],
-                                            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                            query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(),
-                                            scale, out.data_ptr(), limit, cpu_native.KV_KINDS[torch.float32])
-    assert left == 1
-    want = reference.slab_prefill_attention_ref(q, k_cache, v_cache, query_start, slab_offset, context_len, scale,
-                                                torch.empty_like(q))
-    torch.testing.assert_close(out[: 1 + limit], want[: 1 + limit], rtol=1e-5, atol=1e-5)
-    assert (out[1 + limit :] == 7.0).all(), "the sequence over the limit is the reference's to attend"
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (9, 3, 64), (32, 8, 128)])
+def test_native_attention_rows_do_not_depend_on_chunking_or_batch(kv_dtype, heads, kv_heads, head_dim):
+    """A row's attention is bit for bit the same whether its prompt runs as one chunk, is cut into chunks of any
+    sizes, or goes a row at a time as decode does, beside other sequences or alone (prefix reuse serves a prompt's
+    tail after KV rows written by other steps, and promises the same tokens as without reuse)."""
+    gen = torch.Generator().manual_seed(heads)
+    n, offset = 150, 200
+    q = torch.randn(n, heads, head_dim, generator=gen)
+    k_cache = torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    whole = _attend_pieces(q, k_cache, v_cache, [n], offset, 0, gen)
+    for pieces, others in (([64, 86], 3), ([7, 1, 100, 42], 1), ([1] * 20 + [130], 5), ([149, 1], 0)):
+        got = _attend_pieces(q, k_cache, v_cache, pieces, offset, others, gen)
+        assert torch.equal(got, whole), f"rows differ when the prompt runs as {pieces} beside {others} others"
+    query_start = torch.tensor([0, n], dtype=torch.int32)
+    want = reference.slab_prefill_attention_ref(q, k_cache.float(), v_cache.float(), query_start,
+                                                torch.tensor([offset]), torch.tensor([n], dtype=torch.int32),
+                                                head_dim ** -0.5, torch.empty_like(q))
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_native
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(6))
 def test_half_precision_caches_attend_as_their_fp32_widening(kv_dtype, seed):
-    """A plan's kv_dtype on CPU: the native kernel (short rows) and the reference (the rest, widening the slab into
-    scratch) over bf16/fp16 caches equal attention over the same caches widened to fp32, allocating nothing."""
+    """A plan's kv_dtype on CPU: the native kernel and the reference (widening the slab into scratch) over bf16/fp16
+    caches equal attention over the same caches widened to fp32, allocating nothing."""
     (q, k_cache, v_cache, *meta), _ = _attention_case(seed)
     half_k, half_v = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     rows, heads, head_dim = q.shape
