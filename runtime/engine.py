@@ -9,6 +9,7 @@ end the request through `Scheduler.finish`; everything else about a request's li
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import threading
 import time
@@ -49,6 +50,7 @@ class EngineConfig:
     device: str = "cpu"                  # where every arena lives: "cpu" or "cuda" (the current CUDA device)
     kv_dtype: str | None = None          # the KV arena's dtype; None: `dtype`
     graph_budget_bytes: int | None = None  # CUDA: what graph capture may add (the plan's target.reserve)
+    prefix_reuse: bool = True            # slabs keep their prefixes for later prompts (where rows are exact)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class GenerationEvent:
     prompt_tokens: int = 0                # usage, set on the final event
     completion_tokens: int = 0
     timings: Timings | None = None
+    cached_tokens: int = 0                # of prompt_tokens, those served from retained KV (final event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,7 @@ class Completion:
     finish_reason: FinishReason
     prompt_tokens: int
     timings: Timings
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -102,6 +106,7 @@ class _Live:
     num_tokens: int = 0
     started: float | None = None
     first_token: float | None = None
+    cached: int = 0         # prompt tokens its slab already held when its prefill began
 
 
 WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (each run is a whole step)
@@ -149,8 +154,11 @@ class Engine:
         self.sampler = Sampler(config.max_seqs, c.vocab_size, self.device)
         self._picked = torch.zeros(config.max_seqs, c.vocab_size, device=self.device)  # (S, V) float32 rows to sample
         delay_s = config.max_queue_delay_ms / 1000 if config.max_queue_delay_ms is not None else None
+        self.prefix_reuse_off = prefix_reuse_off_reason(config.prefix_reuse, self.gemm, self.device.type)
         self.scheduler = Scheduler(config.classes, config.max_seqs, config.step_tokens, buckets, config.queue_limit,
-                                   max_queue_delay_s=delay_s)
+                                   max_queue_delay_s=delay_s, prefix_reuse=self.prefix_reuse_off is None)
+        self.copy_row_s: float | None = None      # measured by warm_up: copying one KV row (every layer)
+        self.prefill_token_s: float | None = None  # measured by warm_up: prefilling one token in the largest bucket
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self._cancelled: list[str] = []  # aborted requests whose CANCELLED event is not yet returned
@@ -255,7 +263,10 @@ class Engine:
         now = time.monotonic()
         for chunk in scheduled.chunks:
             live = self._live[chunk.request_id]
-            live.started = live.started or now
+            if live.started is None:
+                live.started, live.cached = now, chunk.start_pos
+        for copy in scheduled.copies:  # retained prefixes into new slabs, before the step reads or writes them
+            self._copy_rows(copy.src, copy.dst, copy.rows)
         logits = self._run_step(scheduled.bucket)  # (R, V)
         # 2) sample the rows that end a sequence's known tokens
         sampled = self._sample(scheduled, logits)
@@ -263,6 +274,11 @@ class Engine:
         for event in self.scheduler.complete_step(scheduled, sampled):
             events.append(self._token_event(event.request_id, event.token_id, event.finished))
         return events
+
+    def _copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """KV rows src .. src+rows-1 onto dst .. dst+rows-1 in every layer: views of the arena, no new storage."""
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, dst : dst + rows].copy_(cache[:, src : src + rows])
 
     def _run_step(self, bucket: int) -> torch.Tensor:
         """The step of `bucket` on its filled inputs: logits (R, V) (R = runtime.step.logits_rows), a view into the
@@ -338,19 +354,58 @@ class Engine:
             if kind == "longest":
                 seconds.clear()  # a step over the longest context is not what a typical step costs
         typical = dict(seconds)  # chunks from position 0: admission by latency starts from these
+        copy = self._measure_copies(typical)
+
+        def busy_steps() -> None:
+            if copy is not None:
+                self._copy_rows(*copy)
+            every_bucket()
+
         # checked: steps that mix a decode row at the end of the longest slab with prefill chunks and decode rows
-        # starting mid-slab, at the serving thread count and at one thread (where every parallel body runs on this
-        # thread, under the check)
+        # starting mid-slab (after a copy of retained rows between slabs), at the serving thread count and at one
+        # thread (where every parallel body runs on this thread, under the check)
         for bucket, inputs in self.inputs.items():
             inputs.fill(self._warm_up_chunks(bucket, "mixed"))
         for single_thread in (False, True):
-            check_no_allocations(every_bucket, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
+            check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
                                  single_thread=single_thread, device=self.device)
         self.scheduler.step_times.seed(typical)  # admission by latency starts from these, then measures
+        self.scheduler.forget_free_prefixes()  # the warm-up wrote into free slabs
         if self.device.type == "cuda":  # what start-up freed (tracing's temporaries) goes back: reserved = planned
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         self.warmed_on = threading.get_ident()
+
+    def _measure_copies(self, typical: Mapping[int, float]) -> tuple[int, int, int] | None:
+        """Time copying KV rows between two slabs against prefilling them (the largest bucket's time per token),
+        and let the scheduler copy retained prefixes only where that pays: from `copy_min_tokens` rows, the length
+        from which a copy's fixed cost plus its rows costs less than prefilling them. The probe copy (src, dst,
+        rows) for the checked warm-up steps, or None with fewer than two slabs."""
+        slabs = self._slabs()
+        if len(slabs) < 2:
+            return None
+        (src, a), (dst, b) = slabs[0], slabs[1]
+        rows = min(a, b)
+
+        def timed(n: int) -> float:
+            best = float("inf")
+            for _ in range(3):
+                started = time.perf_counter()
+                self._copy_rows(src, dst, n)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                best = min(best, time.perf_counter() - started)
+            return best
+
+        fixed = timed(1)
+        self.copy_row_s = max(timed(rows) - fixed, 0.0) / max(rows - 1, 1)
+        largest = max(typical)
+        self.prefill_token_s = typical[largest] / largest
+        prefix = self.scheduler.prefix
+        if prefix is not None and self.copy_row_s < self.prefill_token_s:
+            self.scheduler.copy_min_tokens = max(prefix.block,
+                                                 math.ceil(fixed / (self.prefill_token_s - self.copy_row_s)))
+        return src, dst, rows
 
     def _slabs(self) -> list[tuple[int, int]]:
         """(first row, rows) of every slab, in arena order."""
@@ -418,7 +473,7 @@ class Engine:
         timings = Timings(queue_s=(live.started or now) - live.arrival, ttft_s=first - live.arrival,
                           tpot_s=(now - first) / max(1, live.num_tokens - 1))
         return GenerationEvent(request_id, token_ids, live.text[live.sent :], reason, live.prompt_tokens,
-                               live.num_tokens, timings)
+                               live.num_tokens, timings, live.cached if live.started is not None else 0)
 
     # ---- whole requests -------------------------------------------------------------------------------------------
 
@@ -436,7 +491,7 @@ class Engine:
                 if event.finished is not None:
                     done[event.request_id] = event
         return [Completion(rid, tuple(tokens[rid]), "".join(texts[rid]), done[rid].finished,
-                           done[rid].prompt_tokens, done[rid].timings) for rid in ids]
+                           done[rid].prompt_tokens, done[rid].timings, done[rid].cached_tokens) for rid in ids]
 
     def _own_events(self, owned) -> list[GenerationEvent]:
         """One step's events for `owned` requests; the others wait in the backlog for the next `step()` caller."""
@@ -478,6 +533,18 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 longest = n
                 break
     return longest
+
+
+def prefix_reuse_off_reason(wanted: bool, gemm: str, device: str) -> str | None:
+    """Why prefix reuse is off for an engine (None: it is on). Reuse promises the same tokens as without it, so a
+    KV row must not depend on how its prompt was chunked or batched: the native CPU kernels give every row the same
+    arithmetic (kernels/cpu_native.c); aten's GEMMs (MKL, cuBLAS) choose their blocking by the number of rows."""
+    if not wanted:
+        return "turned off by the plan (prefix_reuse: false)"
+    if device != "cpu" or gemm != "native":
+        return (f"off on {device} with gemm {gemm}: its matmuls do not give a row the same result in every chunk "
+                f"size, so reused rows could change outputs (exact reuse needs the native CPU kernels)")
+    return None
 
 
 def engine_device(name: str) -> torch.device:

@@ -20,6 +20,15 @@ first, into the smallest free class at or above its home. Queues only ever hold 
 (admission runs after every submit and every release), so a new request never overtakes a waiting one that could
 have used the same slab. Nothing is ever preempted or recomputed: a request keeps its slab until it ends.
 
+Retained prefixes (`prefix_reuse`): a slab keeps the token ids of the KV rows it holds (runtime.prefix_cache) as its
+request runs and after it ends. A request being placed looks its prompt up there: it takes the free slab (of a class
+it fits) that holds the longest prefix of its prompt when taking it loses no other retained block, or has that
+prefix copied into a least recently used free slab (the source running or free, of any class: a `RowCopy` the next
+step runs before it computes anything), and its prefill starts after the prefix, always computing at least the last
+prompt token. Without a useful match it takes its class's least recently used free slab, so hot prefixes survive.
+Copies and takes happen at placement only, so ordering is simple: a copy runs before any step that could write its
+source's rows past what a later owner kept.
+
 Step packing: every decoding sequence contributes its one token, then prefill chunks fill the rest of
 `step_tokens`. Prefill order is shortest remaining prompt first, so a short prompt is not stuck behind a long one,
 except that the oldest prefilling sequence is first guaranteed `g = max(1, floor(oldest_prefill_share * B))`
@@ -42,6 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from slabserve.runtime.admission import AdmissionView, OverloadedError, Pending, StepTimes
+from slabserve.runtime.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixIndex
 from slabserve.runtime.slab_allocator import Slab, SlabAllocator, SlabClass
 
 _RECENT_FREES = 32             # completions per class remembered for the retry hint
@@ -122,10 +132,20 @@ class StepChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class RowCopy:
+    """KV rows to copy inside the arena before a step runs (every layer): src .. src+rows-1 -> dst .. dst+rows-1."""
+
+    src: int
+    dst: int
+    rows: int
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledStep:
     chunks: tuple[StepChunk, ...]  # decode chunks first, then prefill chunks
     bucket: int                    # smallest bucket >= num_scheduled_tokens: the static step shape to run
     num_scheduled_tokens: int      # real tokens in the step (the rest of the bucket is padding)
+    copies: tuple[RowCopy, ...] = ()  # run in order before the step (retained prefixes copied into new slabs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +167,7 @@ class _Seq:
     """Mutable state of one request, from submit to its end. Lives in exactly one of: a queue, prefilling, decoding."""
 
     __slots__ = ("request", "seq_no", "home", "slab", "num_prompt", "num_computed", "num_output", "last_token",
-                 "done", "grant", "deadline")
+                 "done", "grant", "deadline", "cached", "copy")
 
     def __init__(self, request: Request, seq_no: int, home: int):
         self.request = request
@@ -161,6 +181,8 @@ class _Seq:
         self.done = False
         self.grant = 0                  # prefill tokens granted in the step being packed
         self.deadline = math.inf        # clock() by which its first token is due (admission by latency)
+        self.cached = 0                 # prompt tokens whose KV it found in its slab (or had copied in)
+        self.copy: RowCopy | None = None  # its copy, until the step that runs it is scheduled
 
 
 # ---- the scheduler ------------------------------------------------------------------------------------------------
@@ -170,11 +192,15 @@ class Scheduler:
     table), `max_seqs`, `step_tokens` and `buckets` (ascending, the last one is step_tokens); `queue_limit` bounds
     each class's queue; `prefill_chunk` caps one sequence's prefill tokens per step (None: step_tokens);
     `oldest_prefill_share` is the share of the prefill budget guaranteed to the oldest prefilling sequence;
-    `max_queue_delay_s` (None: off) turns on admission by latency (runtime.admission)."""
+    `max_queue_delay_s` (None: off) turns on admission by latency (runtime.admission). `prefix_reuse` keeps each
+    slab's token ids as it falls free and places a new request where its prompt's longest prefix already is
+    (module docstring); `copy_min_tokens` (None: never) is the shortest prefix worth copying from another slab."""
 
     def __init__(self, classes: Sequence[SlabClass], max_seqs: int, step_tokens: int, buckets: Sequence[int],
                  queue_limit: int, prefill_chunk: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 *, oldest_prefill_share: float = 0.25, max_queue_delay_s: float | None = None):
+                 *, oldest_prefill_share: float = 0.25, max_queue_delay_s: float | None = None,
+                 prefix_reuse: bool = False, copy_min_tokens: int | None = None,
+                 prefix_block: int = BLOCK_TOKENS):
         _check_config(max_seqs, step_tokens, buckets, queue_limit, prefill_chunk, oldest_prefill_share)
         if max_queue_delay_s is not None and not max_queue_delay_s > 0:
             raise ValueError(f"max_queue_delay_s must be > 0 or None, got {max_queue_delay_s}")
@@ -198,6 +224,11 @@ class Scheduler:
         self.max_queue_delay_s = max_queue_delay_s
         self.step_times = StepTimes(self.buckets)  # measured by schedule() .. complete_step()
         self._step_started = 0.0
+        self.prefix = PrefixIndex(prefix_block) if prefix_reuse else None
+        self.copy_min_tokens = copy_min_tokens
+        self._copies: list[_Seq] = []     # placed with a copy that no scheduled step has run yet
+        self.prefix_hit_tokens = 0       # prompt tokens served from retained KV, over every placed request
+        self.prefix_miss_tokens = 0      # prompt tokens placed requests had to prefill
 
     @property
     def max_request_tokens(self) -> int:
@@ -227,10 +258,13 @@ class Scheduler:
         target = self.allocator.smallest_free_class(home) if self.num_running < self.max_seqs else None
         if target is None and len(self._queues[home]) >= self.queue_limit:
             raise self._queue_full(home)
+        if self.prefix is not None:  # what its prefill will likely skip, for admission by latency until placed
+            seq.cached = self.prefix.longest(request.prompt_ids, seq.num_prompt - 1, _anywhere).tokens
         if request.deadline is not None:
             seq.deadline = request.deadline
         elif self.max_queue_delay_s is not None:
-            seq.deadline = self.admission_view().admit(seq.num_prompt, home, self._clock())  # or DelayBoundError
+            seq.deadline = self.admission_view().admit(seq.num_prompt - seq.cached, home,
+                                                       self._clock())  # or DelayBoundError
         self._next_seq_no += 1
         self._live[request.request_id] = seq
         if target is None:
@@ -278,7 +312,11 @@ class Scheduler:
         num_tokens = len(chunks) + self._pack_prefills(self.step_tokens - len(chunks), chunks, seqs)
         if not chunks:
             return None
-        step = ScheduledStep(tuple(chunks), self.buckets[bisect_left(self.buckets, num_tokens)], num_tokens)
+        copies = tuple(seq.copy for seq in self._copies)  # every pending copy, in admission order
+        for seq in self._copies:
+            seq.copy = None
+        self._copies.clear()
+        step = ScheduledStep(tuple(chunks), self.buckets[bisect_left(self.buckets, num_tokens)], num_tokens, copies)
         self._inflight = (step, tuple(seqs))
         self._step_started = self._clock()
         return step
@@ -296,6 +334,8 @@ class Scheduler:
         for chunk, seq in zip(step.chunks, seqs):
             if seq.done:  # aborted or finished while the step ran: its token is dropped
                 continue
+            if self.prefix is not None:  # its rows start_pos .. now hold these tokens
+                self.prefix.extend(seq.slab, chunk.token_ids)
             seq.num_computed += len(chunk.token_ids)
             if chunk.sample:
                 events.append(self._append_token(seq, sampled[chunk.request_id]))
@@ -303,10 +343,18 @@ class Scheduler:
         return events
 
     def discard_step(self, step: ScheduledStep) -> None:
-        """Forget an in-flight step that failed to run: nothing advanced, so the same work is scheduled again."""
+        """Forget an in-flight step that failed to run: nothing advanced, so the same work is scheduled again (a
+        prompt whose copy the step carried is prefilled from its first token instead)."""
         if self._inflight is None or self._inflight[0] is not step:
             raise ValueError("discard_step(): this step is not the one in flight")
         self._inflight = None
+        for copy in step.copies:  # it may have failed before its copies ran: those prompts start from row 0
+            for seq in self._prefilling.values():
+                if seq.slab.offset == copy.dst and seq.num_computed == seq.cached == copy.rows:
+                    self.prefix_hit_tokens -= seq.cached
+                    self.prefix_miss_tokens += seq.cached
+                    seq.cached = seq.num_computed = 0
+                    self.prefix.truncate(seq.slab, 0)
 
     # ---- introspection --------------------------------------------------------------------------------------------
 
@@ -326,13 +374,20 @@ class Scheduler:
         without one). `unsubmitted`: (prompt tokens, deadline) of requests a caller has admitted against an
         earlier view but not yet submitted."""
         pending = [Pending(_remaining_prompt(s), s.seq_no, s.deadline) for s in self._prefilling.values()]
-        pending += [Pending(s.num_prompt, s.seq_no, s.deadline) for q in self._queues for s in q.values()]
+        pending += [Pending(s.num_prompt - s.cached, s.seq_no, s.deadline) for q in self._queues for s in q.values()]
         pending += [Pending(n, self._next_seq_no + i, d) for i, (n, d) in enumerate(unsubmitted)]
         oldest = next(iter(self._prefilling.values())).seq_no if self._prefilling else None
         return AdmissionView(self.max_queue_delay_s, pending, oldest, len(self._decoding), self.step_tokens,
                              self.buckets, self.step_times.snapshot(), self.oldest_prefill_share,
                              [self._slab_wait_s(h) for h in range(len(self._queues))],
                              self._next_seq_no + len(unsubmitted))
+
+    def forget_free_prefixes(self) -> None:
+        """Free slabs hold nothing known any more (the engine's warm-up wrote into them)."""
+        if self.prefix is not None:
+            for slab in self.allocator.slabs():
+                if self.allocator.is_free(slab):
+                    self.prefix.truncate(slab, 0)
 
     def load(self) -> Load:
         return Load(self.allocator.free_counts(), self.allocator.total_counts(),
@@ -402,8 +457,54 @@ class Scheduler:
         return TokenEvent(request.request_id, token, reason)
 
     def _start(self, seq: _Seq, class_index: int) -> None:
-        seq.slab = self.allocator.allocate(class_index)
+        """Give `seq` a slab (class_index: the smallest free class at or above its home) and start its prefill,
+        after the prefix its slab already holds when reuse is on."""
+        if self.prefix is None:
+            seq.slab = self.allocator.allocate(class_index)
+        else:
+            self._place(seq, class_index)
+        self.prefix_hit_tokens += seq.cached
+        self.prefix_miss_tokens += seq.num_prompt - seq.cached
         self._prefilling[seq.request.request_id] = seq
+
+    def _place(self, seq: _Seq, class_index: int) -> None:
+        """Where a request goes when slabs keep their prefixes. Its prompt's longest prefix held by a free slab it
+        fits (direct) and by any slab at all (copy source) are looked up; then, in order:
+          1. the direct slab, when taking it loses less than a block of other retained rows;
+          2. a copy of the longest prefix into the least recently used free slab of `class_index`, when it is at
+             least `copy_min_tokens` long and no shorter than the direct one (copying keeps the source's rows for
+             others: a shared system prompt does not cost a conversation its history);
+          3. the direct slab anyway, when a copy is not possible;
+          4. the least recently used free slab of `class_index`, from position 0.
+        At least the prompt's last token is always computed, for its logits."""
+        prompt, limit, prefix = seq.request.prompt_ids, seq.num_prompt - 1, self.prefix
+        home, allocator = seq.home, self.allocator
+        direct = prefix.longest(prompt, limit, lambda s: s.class_index >= home and allocator.is_free(s))
+        anywhere = prefix.longest(prompt, limit, _anywhere) if self.copy_min_tokens is not None else NO_MATCH
+        loses = prefix.held(direct.slab) - direct.tokens if direct.slab is not None else 0
+        if direct.slab is not None and loses < prefix.block:
+            self._take(seq, direct)
+        elif anywhere.slab is not None and anywhere.tokens >= max(self.copy_min_tokens, direct.tokens):
+            seq.slab = allocator.allocate_lru(class_index, avoid=anywhere.slab)
+            if seq.slab == anywhere.slab:  # the source is the only free slab that fits: take it as it is
+                allocator.free(seq.slab)
+                self._take(seq, prefix.longest(prompt, limit, lambda s: s == anywhere.slab))
+                return
+            seq.copy = RowCopy(anywhere.slab.offset, seq.slab.offset, anywhere.tokens)
+            self._copies.append(seq)
+            prefix.assign(seq.slab, prompt[: anywhere.tokens])
+            seq.cached = seq.num_computed = anywhere.tokens
+        elif direct.slab is not None:
+            self._take(seq, direct)
+        else:
+            seq.slab = allocator.allocate_lru(class_index)
+            prefix.truncate(seq.slab, 0)
+            seq.cached = seq.num_computed = 0
+
+    def _take(self, seq: _Seq, match: Match) -> None:
+        seq.slab = self.allocator.allocate_slab(match.slab)
+        self.prefix.truncate(seq.slab, match.tokens)
+        seq.cached = seq.num_computed = match.tokens
 
     def _end(self, seq: _Seq) -> None:
         """Drop `seq` from wherever it is and free its slab now. The caller runs admission afterwards."""
@@ -416,6 +517,10 @@ class Scheduler:
             return
         if self._prefilling.pop(rid, None) is None:
             del self._decoding[rid]
+        if seq.copy is not None:  # ended before its copy ran: its slab holds nothing known
+            self._copies.remove(seq)
+            seq.copy = None
+            self.prefix.truncate(seq.slab, 0)
         self.allocator.free(seq.slab)
         self._recent_frees[seq.slab.class_index].append(self._clock())
 
@@ -464,6 +569,10 @@ class Scheduler:
         busy = (f"all {self.max_seqs} sequence slots are running" if self.num_running >= self.max_seqs
                 else "every slab that fits is in use")
         return QueueFullError(home, self.allocator.classes[home].tokens, self.queue_limit, retry_ms, measured, busy)
+
+
+def _anywhere(slab: Slab) -> bool:
+    return True
 
 
 def _remaining_prompt(seq: _Seq) -> int:

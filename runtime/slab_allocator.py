@@ -12,7 +12,9 @@ every class that fits is full it waits in the queue of its home class; the sched
 """
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,9 +56,11 @@ class SlabAllocator:
             tuple(Slab(ci, base + k * c.tokens, c.tokens) for k in range(c.count))
             for ci, (c, base) in enumerate(zip(self.classes, self._bases))
         )
-        # Stacks of slab indices; reversed so the first allocate() returns slab 0, and LIFO so the slab freed last
-        # (the one whose rows are most likely still in cache) is handed out next.
-        self._free = [list(range(c.count - 1, -1, -1)) for c in self.classes]
+        # Free slab indices per class in the order they fell free, oldest first (at the start as if slab 0 fell free
+        # last, so the first allocate() returns it).
+        # allocate() hands out the slab freed last (its rows are the most likely still in cache); allocate_lru() the
+        # one freed longest ago (whose retained prefix has gone unused the longest); allocate_slab() a given one.
+        self._free: list[OrderedDict[int, None]] = [OrderedDict.fromkeys(range(c.count - 1, -1, -1)) for c in self.classes]
         self._in_use = [bytearray(c.count) for c in self.classes]
 
     @property
@@ -87,12 +91,43 @@ class SlabAllocator:
         return bool(self._free[class_index])
 
     def allocate(self, class_index: int) -> Slab:
+        """The free slab of `class_index` freed last."""
+        k = self._free_of(class_index).popitem(last=True)[0]
+        self._in_use[class_index][k] = 1
+        return self._slabs[class_index][k]
+
+    def allocate_lru(self, class_index: int, avoid: Slab | None = None) -> Slab:
+        """The free slab of `class_index` freed longest ago, other than `avoid` (a copy's source) when another is
+        free."""
+        free = self._free_of(class_index)
+        k = next(iter(free))
+        if avoid is not None and avoid.class_index == class_index and len(free) > 1 and k == self._index_of(avoid):
+            k = next(itertools.islice(free, 1, None))
+        del free[k]
+        self._in_use[class_index][k] = 1
+        return self._slabs[class_index][k]
+
+    def allocate_slab(self, slab: Slab) -> Slab:
+        """`slab` itself, which must be free (a retained prefix admission chose)."""
+        k = self._index_of(slab)
+        if not self.is_free(slab):
+            raise ValueError(f"{slab} is not free")
+        del self._free[slab.class_index][k]
+        self._in_use[slab.class_index][k] = 1
+        return slab
+
+    def is_free(self, slab: Slab) -> bool:
+        return not self._in_use[slab.class_index][self._index_of(slab)]
+
+    def slabs(self) -> tuple[Slab, ...]:
+        """Every slab, in arena order."""
+        return tuple(s for per_class in self._slabs for s in per_class)
+
+    def _free_of(self, class_index: int) -> OrderedDict[int, None]:
         free = self._free[class_index]
         if not free:
             raise ValueError(f"slab class {class_index} ({self._class_tokens[class_index]} tokens) has no free slab")
-        k = free.pop()
-        self._in_use[class_index][k] = 1
-        return self._slabs[class_index][k]
+        return free
 
     def free(self, slab: Slab) -> None:
         """Return `slab`; freeing a slab twice, or one this allocator did not hand out, is an error."""
@@ -101,7 +136,7 @@ class SlabAllocator:
         if not in_use[k]:
             raise ValueError(f"double free of slab {slab}")
         in_use[k] = 0
-        self._free[slab.class_index].append(k)
+        self._free[slab.class_index][k] = None
 
     def free_counts(self) -> tuple[int, ...]:
         return tuple(len(f) for f in self._free)

@@ -1,0 +1,265 @@
+"""Prefix reuse (retained slabs): the index, the scheduler's placement and copies, checked against a simulated KV
+arena in which every row's content depends on all the tokens before it, as attention's does; and on the bundled
+SmolLM2 GGUF, the same tokens with reuse as without it (greedy and sampled), alone and in a crowd."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from slabserve.runtime.prefix_cache import PrefixIndex
+from slabserve.runtime.scheduler import Request, ScheduledStep, Scheduler
+from slabserve.runtime.slab_allocator import Slab, SlabClass
+
+
+def _sched(classes=((64, 3), (256, 2)), max_seqs=4, step_tokens=32, copy_min_tokens: int | None = 16,
+           **kw) -> Scheduler:
+    buckets = (1, 2, 4, 8, 16, 32)
+    return Scheduler([SlabClass(t, c) for t, c in classes], max_seqs, step_tokens, buckets, queue_limit=8,
+                     prefix_reuse=True, copy_min_tokens=copy_min_tokens, **kw)
+
+
+class Arena:
+    """A fake executor over a simulated KV arena: row p of a sequence holds hash(row p-1, token p), so a row is
+    right only when every row before it in its slab is (what attention over a wrong prefix would get wrong)."""
+
+    def __init__(self, s: Scheduler):
+        self.s = s
+        self.rows: list[int | None] = [None] * s.allocator.total_rows
+        self.tokens: dict[str, list[int]] = {}  # every token of each live request: prompt, then outputs
+        self.cached: dict[str, int] = {}
+        self.rng = random.Random(0)
+
+    def submit(self, rid: str, prompt: list[int], max_tokens: int = 4) -> None:
+        self.s.submit(Request(rid, tuple(prompt), max_tokens))
+        self.tokens[rid] = list(prompt)
+
+    @staticmethod
+    def truth(tokens: list[int]) -> list[int]:
+        rows, h = [], 0
+        for t in tokens:
+            h = hash((h, t))
+            rows.append(h)
+        return rows
+
+    def step(self, abort_mid_step: str | None = None, submit_mid_step: tuple | None = None) -> ScheduledStep | None:
+        """One step; `abort_mid_step` / `submit_mid_step` (rid, prompt, max_tokens) happen while it runs."""
+        step = self.s.schedule()
+        if step is None:
+            return None
+        if abort_mid_step is not None:
+            self.s.abort(abort_mid_step)
+        if submit_mid_step is not None:
+            self.submit(*submit_mid_step)
+        for copy in step.copies:
+            self.rows[copy.dst : copy.dst + copy.rows] = self.rows[copy.src : copy.src + copy.rows]
+        sampled = {}
+        for chunk in step.chunks:
+            self.cached.setdefault(chunk.request_id, chunk.start_pos)
+            for j, token in enumerate(chunk.token_ids):
+                p = chunk.start_pos + j
+                prev = self.rows[chunk.slab_offset + p - 1] if p else 0
+                self.rows[chunk.slab_offset + p] = hash((prev, token))
+            want = self.truth(self.tokens[chunk.request_id][: chunk.start_pos + len(chunk.token_ids)])
+            got = self.rows[chunk.slab_offset : chunk.slab_offset + chunk.start_pos + len(chunk.token_ids)]
+            assert got == want, f"{chunk.request_id}: its slab's rows are not its tokens' rows"
+            if chunk.sample:
+                sampled[chunk.request_id] = self.rng.randrange(50)
+        for event in self.s.complete_step(step, sampled):
+            self.tokens[event.request_id].append(event.token_id)
+        return step
+
+    def drain(self) -> None:
+        while self.step() is not None:
+            pass
+
+
+# ---- the index ----------------------------------------------------------------------------------------------------
+
+def test_index_finds_the_longest_block_prefix_then_the_tail_and_forgets_truncated_rows():
+    index = PrefixIndex(block_tokens=4)
+    a, b = Slab(0, 0, 64), Slab(0, 64, 64)
+    index.extend(a, range(10))            # 0..9
+    index.extend(b, [0, 1, 2, 3, 9, 9])   # shares one block with a
+    prompt = list(range(12))
+    anywhere = lambda s: True  # noqa: E731
+    assert index.longest(prompt, 11, anywhere).slab == a and index.longest(prompt, 11, anywhere).tokens == 10
+    assert index.longest(prompt, 6, anywhere).tokens == 6      # the limit caps it (the last token is computed)
+    assert index.longest(prompt, 11, lambda s: s == b).tokens == 4
+    assert index.longest([5, 5, 5, 5, 5], 4, anywhere).slab is None
+    index.truncate(a, 5)
+    assert index.held(a) == 5 and index.longest(prompt, 11, lambda s: s == a).tokens == 5
+    index.assign(b, list(range(8)))
+    assert index.tokens(b) == tuple(range(8)) and index.longest(prompt, 11, lambda s: s == b).tokens == 8
+
+
+def test_index_never_trusts_a_hash_without_the_tokens(monkeypatch):
+    index = PrefixIndex(block_tokens=2)
+    a = Slab(0, 0, 16)
+    index.extend(a, [1, 2, 3, 4])
+    # a prompt whose first block hashes like a's (as a collision would) is verified against a's tokens
+    index._index[hash((0, (7, 7)))] = {a}
+    assert index.longest([7, 7, 7, 7, 7], 4, lambda s: True).slab is None
+
+
+# ---- placement ----------------------------------------------------------------------------------------------------
+
+def test_a_second_turn_takes_its_conversations_slab_and_prefills_only_what_is_new():
+    s = _sched()
+    arena = Arena(s)
+    arena.submit("t1", list(range(1, 41)), max_tokens=5)
+    arena.drain()
+    history = arena.tokens["t1"]  # 40 prompt tokens + 5 outputs; the last output's row was never written
+    arena.submit("t2", history + [7, 8, 9], max_tokens=3)
+    arena.drain()
+    assert arena.cached["t2"] == 44  # every row t1 wrote
+    assert s.prefix_hit_tokens == 44 and s.prefix_miss_tokens == 40 + 4
+
+
+def test_identical_prompt_recomputes_only_its_last_token():
+    s = _sched()
+    arena = Arena(s)
+    arena.submit("a", list(range(30)), max_tokens=2)
+    arena.drain()
+    arena.submit("b", list(range(30)), max_tokens=2)
+    arena.drain()
+    assert arena.cached["b"] == 29
+
+
+def test_a_shared_system_prompt_is_copied_so_the_conversation_holding_it_keeps_its_history():
+    s = _sched()
+    arena = Arena(s)
+    system = list(range(500, 532))  # two blocks
+    arena.submit("c1", system + list(range(1, 20)), max_tokens=8)
+    arena.drain()
+    c1_slab_tokens = len(arena.tokens["c1"]) - 1
+    arena.submit("c2", system + list(range(60, 70)), max_tokens=4)
+    step = arena.step()
+    assert [c.rows for c in step.copies] == [32] and arena.cached["c2"] == 32
+    arena.drain()
+    arena.submit("c1-turn2", arena.tokens["c1"] + [3, 3, 3], max_tokens=2)
+    arena.drain()
+    assert arena.cached["c1-turn2"] == c1_slab_tokens, "c2 took c1's slab instead of copying its prefix"
+
+
+def test_a_prefix_held_by_a_running_request_is_copied_and_the_runner_never_notices():
+    s = _sched()
+    arena = Arena(s)
+    context = list(range(1000, 1048))
+    arena.submit("long", context + [1, 2], max_tokens=40)
+    for _ in range(4):
+        arena.step()  # its prompt is in, it is decoding
+    arena.submit("peer", context + [5, 6, 7], max_tokens=3)
+    step = arena.step()
+    assert step.copies and step.copies[0].rows == 48 and arena.cached["peer"] == 48
+    arena.drain()  # every later row of both requests is checked against its own tokens
+
+
+def test_no_copies_without_a_measured_gain_and_an_unmatched_prompt_takes_the_least_recently_used_slab():
+    s = _sched(classes=((64, 3),), copy_min_tokens=None)
+    arena = Arena(s)
+    for rid, base in (("x", 100), ("y", 200), ("z", 300)):
+        arena.submit(rid, list(range(base, base + 20)), max_tokens=2)
+        arena.drain()  # one at a time: x's slab falls free first, then y's and z's
+    used = {rid: s.prefix.longest(list(range(base, base + 20)), 19, lambda _: True).slab
+            for rid, base in (("x", 100), ("y", 200), ("z", 300))}
+    arena.submit("new", list(range(900, 920)), max_tokens=2)
+    step = arena.step()
+    assert not step.copies
+    assert step.chunks[0].slab_offset == used["x"].offset  # x's prefix was the least recently used
+    arena.drain()
+    arena.submit("y-again", list(range(200, 220)) + [1], max_tokens=2)
+    arena.step()
+    assert arena.cached["y-again"] == 20
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_with_shared_prefixes_every_row_right_and_every_slab_free(seed):
+    """Conversations, shared contexts, cancellations (also mid-step) and queueing, with copies on or off: every
+    chunk's rows must be its own tokens' rows (Arena.step checks each), reuse must happen, and everything ends free."""
+    rng = random.Random(seed)
+    s = _sched(max_seqs=rng.choice([2, 4]), copy_min_tokens=rng.choice([None, 16, 40]))
+    arena = Arena(s)
+    arena.rng = rng
+    contexts = [[rng.randrange(50) for _ in range(rng.randrange(10, 120))] for _ in range(4)]
+    finished: list[str] = []
+    n = 0
+    for _ in range(160):
+        if rng.random() < 0.35 and len(s._live) < 10:
+            n += 1
+            rid = f"r{n}"
+            if finished and rng.random() < 0.4:  # a next turn of a finished request
+                base = arena.tokens[rng.choice(finished)]
+            else:
+                base = list(rng.choice(contexts))
+            prompt = (base + [rng.randrange(50) for _ in range(rng.randrange(1, 12))])[:230]
+            try:
+                arena.submit(rid, prompt, max_tokens=rng.randrange(1, 20))
+            except Exception:  # noqa: BLE001 - a full queue or a prompt no slab holds: refused, nothing placed
+                arena.tokens.pop(rid)
+                continue
+        if s._live and rng.random() < 0.08:
+            s.abort(rng.choice(list(s._live)))
+        done_before = set(s._live)
+        mid = rng.choice(list(s._live)) if s._live and rng.random() < 0.08 else None
+        arena.step(abort_mid_step=mid)
+        finished += [rid for rid in done_before - set(s._live) if rid in arena.tokens]
+    while s.has_work():
+        arena.step()
+    assert s.allocator.free_counts() == s.allocator.total_counts()
+    assert s.prefix_hit_tokens > 0
+
+
+def test_an_abort_before_the_copy_runs_leaves_the_slab_holding_nothing():
+    s = _sched()
+    arena = Arena(s)
+    arena.submit("src", list(range(40)) + [1], max_tokens=30)
+    for _ in range(3):
+        arena.step()
+    arena.submit("dst", list(range(40)) + [2], max_tokens=3)
+    assert s._copies
+    s.abort("dst")
+    assert not s._copies
+    step = arena.step()
+    assert not step.copies
+    arena.drain()
+    assert s.allocator.free_counts() == s.allocator.total_counts()
+
+
+def test_a_discarded_step_that_carried_a_copy_prefills_that_prompt_from_its_first_token():
+    s = _sched()
+    arena = Arena(s)
+    arena.submit("src", list(range(40)) + [1], max_tokens=30)
+    for _ in range(3):
+        arena.step()
+    arena.submit("dst", list(range(40)) + [2], max_tokens=3)
+    step = s.schedule()
+    assert step.copies
+    s.discard_step(step)  # the engine failed before (or while) running it
+    arena.cached.pop("dst", None)
+    arena.drain()
+    assert arena.cached["dst"] == 0
+    assert s.allocator.free_counts() == s.allocator.total_counts()
+
+
+def test_reuse_off_finds_nothing():
+    s = Scheduler([SlabClass(64, 2)], 2, 16, (1, 2, 4, 8, 16), queue_limit=2)
+    assert s.prefix is None
+    s.submit(Request("a", tuple(range(20)), 2))
+    while (step := s.schedule()) is not None:
+        s.complete_step(step, {c.request_id: 1 for c in step.chunks if c.sample})
+    s.submit(Request("b", tuple(range(20)), 2))
+    assert s.schedule().chunks[0].start_pos == 0 and s.prefix_hit_tokens == 0
+
+
+def test_a_slab_freed_mid_step_keeps_only_the_rows_written_before_that_step():
+    s = _sched(classes=((64, 1),))
+    arena = Arena(s)
+    arena.submit("a", list(range(40)), max_tokens=20)
+    for _ in range(4):
+        arena.step()  # prefill (32 + 8), then decoding
+    held = s.prefix.held(s._live["a"].slab)
+    # cancelled while a step writes its next row; the next prompt, submitted meanwhile, takes the slab at once
+    arena.step(abort_mid_step="a", submit_mid_step=("b", arena.tokens["a"] + [1, 2], 2))
+    arena.drain()
+    assert arena.cached["b"] == held
