@@ -361,7 +361,8 @@ class Gateway:
         record["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         reason = event.finished.value if event is not None and event.finished is not None else ""
         if event is not None:
-            record.update(finish_reason=reason, completion_tokens=event.completion_tokens)
+            record.update(finish_reason=reason, completion_tokens=event.completion_tokens,
+                          cached_tokens=event.cached_tokens)
             if event.timings is not None:
                 record.update(queue_ms=round(event.timings.queue_s * 1000, 1),
                               ttft_ms=round(event.timings.ttft_s * 1000, 1),

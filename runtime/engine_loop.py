@@ -191,7 +191,7 @@ class EngineLoop:
             if sink is None:
                 continue
             if event.finished is not None and (event.token_ids or event.text):  # tokens in a token event only
-                sink.put(dataclasses.replace(event, finished=None, prompt_tokens=0, completion_tokens=0,
+                sink.put(dataclasses.replace(event, finished=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0,
                                              timings=None))
                 event = dataclasses.replace(event, token_ids=(), text="")
             sink.put(event)
@@ -203,6 +203,8 @@ class EngineLoop:
             load = self.engine.scheduler.load()
             self.metrics.observe_load(load.free_per_class, load.total_per_class, load.queued_per_class,
                                       load.running)
+            scheduler = self.engine.scheduler
+            self.metrics.observe_prefix(scheduler.prefix_hit_tokens, scheduler.prefix_miss_tokens)
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc

@@ -106,7 +106,8 @@ def event_to_pb(request_id: str, event: GenerationEvent) -> pb.GenerateResponse:
                          time_per_output_token_seconds=t.tpot_s) if t is not None else None
     return pb.GenerateResponse(request_id=request_id, finished=pb.GenerationFinished(
         reason=_FINISH_TO_PB[event.finished],
-        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                       cached_tokens=event.cached_tokens),
         timings=timings))
 
 
@@ -173,7 +174,8 @@ class SlabServeServicer(pb_grpc.SlabServeServicer):
             vocab_size=engine.model_config.vocab_size, max_running=scheduler.max_seqs,
             step_tokens=scheduler.step_tokens, queue_limit=scheduler.queue_limit,
             has_chat_template=engine.tokenizer.chat_template is not None,
-            max_queue_delay_ms=round(scheduler.max_queue_delay_s * 1000) if scheduler.max_queue_delay_s else 0)
+            max_queue_delay_ms=round(scheduler.max_queue_delay_s * 1000) if scheduler.max_queue_delay_s else 0,
+            prefix_reuse=engine.prefix_reuse_off is None, prefix_reuse_off_reason=engine.prefix_reuse_off or "")
 
     def GetLoad(self, request, context) -> pb.GetLoadResponse:
         try:

@@ -263,9 +263,10 @@ class _Shape:
         return {**self._head(False), "choices": [choice], "usage": usage}
 
 
-def _usage(event: GenerationEvent) -> dict[str, int]:
+def _usage(event: GenerationEvent) -> dict[str, Any]:
     return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+            "total_tokens": event.prompt_tokens + event.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
 
 
 def _sse(obj: Any) -> bytes:

@@ -13,6 +13,8 @@ and returns a function that stops it. Names and labels:
     slabserve_queue_seconds                        histogram, arrival -> first step
     slabserve_generated_tokens_total               tokens sampled for requests
     slabserve_requests_total{code, finish_reason}  answered Generate calls by status code and finish reason
+    slabserve_prefix_hit_tokens_total              prompt tokens whose KV was already held (retained prefixes)
+    slabserve_prefix_miss_tokens_total             prompt tokens that had to be prefilled
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ class Metrics:
         self.tokens = Counter("slabserve_generated_tokens", "Tokens sampled for requests", registry=r)
         self.requests = Counter("slabserve_requests", "Answered Generate calls", ["code", "finish_reason"],
                                 registry=r)
+        self.prefix_hits = Counter("slabserve_prefix_hit_tokens",
+                                   "Prompt tokens whose KV rows a slab already held (not computed)", registry=r)
+        self.prefix_misses = Counter("slabserve_prefix_miss_tokens", "Prompt tokens prefilled", registry=r)
+        self._prefix_seen = (0, 0)
         for label in self._labels:  # every class appears from the first scrape, not after its first request
             self.queued.labels(label).set(0)
             self.free_slabs.labels(label).set(0)
@@ -63,6 +69,15 @@ class Metrics:
             used_rows += (total - free) * rows
         self.running.set(running)
         self.kv_utilization.set(used_rows / self._total_rows if self._total_rows else 0.0)
+
+    def observe_prefix(self, hit_tokens: int, miss_tokens: int) -> None:
+        """The scheduler's running totals (runtime.scheduler: prefix_hit_tokens, prefix_miss_tokens)."""
+        seen_hits, seen_misses = self._prefix_seen
+        if hit_tokens > seen_hits:
+            self.prefix_hits.inc(hit_tokens - seen_hits)
+        if miss_tokens > seen_misses:
+            self.prefix_misses.inc(miss_tokens - seen_misses)
+        self._prefix_seen = (max(hit_tokens, seen_hits), max(miss_tokens, seen_misses))
 
     def observe_tokens(self, count: int) -> None:
         self.tokens.inc(count)

@@ -263,3 +263,110 @@ def test_a_slab_freed_mid_step_keeps_only_the_rows_written_before_that_step():
     arena.step(abort_mid_step="a", submit_mid_step=("b", arena.tokens["a"] + [1, 2], 2))
     arena.drain()
     assert arena.cached["b"] == held
+
+# ---- the real model: the same tokens with reuse as without --------------------------------------------------------
+
+CONTEXT = ("The slab planner reads a workload mix, sizes KV slab classes under the memory budget, and reports the "
+           "expected utilization. Requests get one contiguous slab at admission and keep it until they finish. "
+           "Prefill runs in chunks beside decode rows, and every step runs at a bucketed static shape. ")
+
+
+@pytest.fixture(scope="module")
+def smollm2_engines():
+    """The bundled SmolLM2 with reuse on and off; steps of 64 tokens, so long prompts are prefilled in chunks."""
+    from _models import smollm2_path
+    from slabserve.runtime.engine import Engine, EngineConfig
+
+    def engine(reuse: bool):
+        config = EngineConfig(str(smollm2_path()), (SlabClass(320, 4), SlabClass(1024, 2)), max_seqs=6,
+                              step_tokens=64, queue_limit=8, prefix_reuse=reuse)
+        return Engine(config)
+
+    on = engine(True)
+    if on.prefix_reuse_off is not None:
+        pytest.skip(on.prefix_reuse_off)
+    return on, engine(False)
+
+
+def _same_tokens(on, off, prompts, sampling=None, stopping=None):
+    """Run `prompts` as one batch on both engines; the completions with reuse (checked equal, token for token)."""
+    from slabserve.runtime.engine import StoppingOptions
+    from slabserve.runtime.sampler import SamplingParams
+
+    sampling = sampling or SamplingParams()
+    stopping = stopping or StoppingOptions(max_tokens=24)
+    got = on.generate(prompts, sampling, stopping)
+    want = off.generate(prompts, sampling, stopping)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids, f"reuse changed the output of {g.request_id}"
+        assert w.cached_tokens == 0
+    return got
+
+
+@pytest.mark.slow
+def test_smollm2_same_tokens_with_reuse_single_turn_multi_turn_partial_and_full_prefix(smollm2_engines):
+    from slabserve.runtime.sampler import SamplingParams
+
+    on, off = smollm2_engines
+    question = [{"role": "user", "content": CONTEXT + "What does a request get at admission?"}]
+    first = _same_tokens(on, off, [question])[0]
+    assert first.cached_tokens == 0
+    # full prefix: the same prompt again recomputes only its last token
+    again = _same_tokens(on, off, [question])[0]
+    assert again.cached_tokens == first.prompt_tokens - 1
+    # multi-turn: the history (with the answer the model gave) comes back with a new question
+    turn2 = question + [{"role": "assistant", "content": first.text},
+                        {"role": "user", "content": "And when does it give the slab back?"}]
+    second = _same_tokens(on, off, [turn2])[0]
+    assert second.cached_tokens >= first.prompt_tokens
+    # partial prefix: the same context, another question (sampled, with a seed)
+    other = [{"role": "user", "content": CONTEXT + "How is prefill scheduled?"}]
+    sampled = _same_tokens(on, off, [other], SamplingParams(temperature=0.9, top_p=0.95, seed=7))[0]
+    assert 0 < sampled.cached_tokens < sampled.prompt_tokens - 5
+
+
+def _scripted(engine, arrivals, sampling, stopping):
+    """Submit arrivals[k] (a list of prompts) before step k, run until every request ends; rid -> final event,
+    token ids."""
+    tokens, finals, k = {}, {}, 0
+    while k < len(arrivals) or engine.has_work():
+        for prompt in arrivals[k] if k < len(arrivals) else ():
+            rid = engine.submit(prompt, sampling, stopping, request_id=f"p{len(tokens)}")
+            tokens[rid] = []
+        k += 1
+        for event in engine.step():
+            tokens[event.request_id].extend(event.token_ids)
+            if event.finished is not None:
+                finals[event.request_id] = event
+    return {rid: (finals[rid], tuple(t)) for rid, t in tokens.items()}
+
+
+@pytest.mark.slow
+def test_smollm2_same_tokens_with_reuse_in_a_crowd_with_copies(smollm2_engines):
+    """Requests arriving into busy steps: two share a long context with a finished request (copied out of its free
+    slab, which keeps its rows), one arrives while another with the same long context is running (copied out of the
+    running slab), beside unrelated ones; all in the same chunked steps, sampled with seeds."""
+    from slabserve.runtime.engine import StoppingOptions
+    from slabserve.runtime.sampler import SamplingParams
+
+    on, off = smollm2_engines
+    _same_tokens(on, off, [CONTEXT + "Summarize this."])
+    copies = []
+    real_copy = on._copy_rows
+    on._copy_rows = lambda src, dst, rows: (copies.append(rows), real_copy(src, dst, rows))
+    try:
+        shared = CONTEXT * 2 + "Question: "
+        arrivals = [[CONTEXT + "Summarize this in one line.", shared + "what is a bucket?", "Hello there!"],
+                    [], [], [], [], [], [], [],
+                    [shared + "what is a slab?", CONTEXT + "Name the unit of admission.", "2 + 2 ="]]
+        sampling, stopping = SamplingParams(temperature=0.7, top_k=40, seed=3), StoppingOptions(max_tokens=20)
+        got = _scripted(on, arrivals, sampling, stopping)
+    finally:
+        on._copy_rows = real_copy
+    want = _scripted(off, arrivals, sampling, stopping)
+    assert {rid: t for rid, (_, t) in got.items()} == {rid: t for rid, (_, t) in want.items()}
+    cached = {rid: final.cached_tokens for rid, (final, _) in got.items()}
+    assert cached["p0"] > 0 and cached["p4"] > 0, cached  # from the finished request's slab
+    assert cached["p3"] > 100, cached                     # from p1, running when p3 arrived
+    assert len(copies) >= 3, copies
+    assert on.scheduler.allocator.free_counts() == on.scheduler.allocator.total_counts()

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aslabserve/v1/serving.proto\x12\x0cslabserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"3\n\x08Messages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.slabserve.v1.Message\"\xb0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\x87\x01\n\x0fStoppingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x17\n\nignore_eos\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_ignore_eos\"\xbc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.slabserve.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.slabserve.v1.MessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.slabserve.v1.SamplingParams\x12/\n\x08stopping\x18\x06 \x01(\x0b\x32\x1d.slabserve.v1.StoppingOptions\x12$\n\x17\x66irst_token_deadline_ms\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x1a\n\x18_first_token_deadline_ms\".\n\x0bTokenOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"l\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12%\n\x1dtime_per_output_token_seconds\x18\x03 \x01(\x01\"\xa9\x01\n\x12GenerationFinished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.slabserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.slabserve.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.slabserve.v1.TimingsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\ttoken_idsR\x04text\"\x91\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05token\x18\x02 \x01(\x0b\x32\x19.slabserve.v1.TokenOutputH\x00\x12\x34\n\x08\x66inished\x18\x03 \x01(\x0b\x32 .slabserve.v1.GenerationFinishedH\x00\x42\x07\n\x05\x65vent\"X\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x08messages\x18\x02 \x01(\x0b\x32\x16.slabserve.v1.MessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"9\n\tSlabClass\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\xa7\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12\x15\n\rcontext_limit\x18\x03 \x01(\r\x12\x1a\n\x12max_request_tokens\x18\x04 \x01(\r\x12-\n\x0cslab_classes\x18\x05 \x03(\x0b\x32\x17.slabserve.v1.SlabClass\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x13\n\x0bstep_tokens\x18\x08 \x01(\r\x12\x13\n\x0bqueue_limit\x18\t \x01(\r\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\x12\x1a\n\x12max_queue_delay_ms\x18\x0b \x01(\r\"\x10\n\x0eGetLoadRequest\"c\n\tClassLoad\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x12\n\nfree_slabs\x18\x03 \x01(\r\x12\x13\n\x0btotal_slabs\x18\x04 \x01(\r\x12\x0e\n\x06queued\x18\x05 \x01(\r\"n\n\x0fGetLoadResponse\x12(\n\x07\x63lasses\x18\x01 \x03(\x0b\x32\x17.slabserve.v1.ClassLoad\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\x84\x03\n\tSlabServe\x12K\n\x08Generate\x12\x1d.slabserve.v1.GenerateRequest\x1a\x1e.slabserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.slabserve.v1.TokenizeRequest\x1a\x1e.slabserve.v1.TokenizeResponse\x12U\n\x0cGetModelInfo\x12!.slabserve.v1.GetModelInfoRequest\x1a\".slabserve.v1.GetModelInfoResponse\x12\x46\n\x07GetLoad\x12\x1c.slabserve.v1.GetLoadRequest\x1a\x1d.slabserve.v1.GetLoadResponse\x12@\n\x05\x41\x62ort\x12\x1a.slabserve.v1.AbortRequest\x1a\x1b.slabserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aslabserve/v1/serving.proto\x12\x0cslabserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"3\n\x08Messages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.slabserve.v1.Message\"\xb0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\x87\x01\n\x0fStoppingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x17\n\nignore_eos\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_ignore_eos\"\xbc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.slabserve.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.slabserve.v1.MessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.slabserve.v1.SamplingParams\x12/\n\x08stopping\x18\x06 \x01(\x0b\x32\x1d.slabserve.v1.StoppingOptions\x12$\n\x17\x66irst_token_deadline_ms\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x1a\n\x18_first_token_deadline_ms\".\n\x0bTokenOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"l\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12%\n\x1dtime_per_output_token_seconds\x18\x03 \x01(\x01\"\xa9\x01\n\x12GenerationFinished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.slabserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.slabserve.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.slabserve.v1.TimingsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\ttoken_idsR\x04text\"\x91\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05token\x18\x02 \x01(\x0b\x32\x19.slabserve.v1.TokenOutputH\x00\x12\x34\n\x08\x66inished\x18\x03 \x01(\x0b\x32 .slabserve.v1.GenerationFinishedH\x00\x42\x07\n\x05\x65vent\"X\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x08messages\x18\x02 \x01(\x0b\x32\x16.slabserve.v1.MessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"9\n\tSlabClass\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\xde\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12\x15\n\rcontext_limit\x18\x03 \x01(\r\x12\x1a\n\x12max_request_tokens\x18\x04 \x01(\r\x12-\n\x0cslab_classes\x18\x05 \x03(\x0b\x32\x17.slabserve.v1.SlabClass\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x13\n\x0bstep_tokens\x18\x08 \x01(\r\x12\x13\n\x0bqueue_limit\x18\t \x01(\r\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\x12\x1a\n\x12max_queue_delay_ms\x18\x0b \x01(\r\x12\x14\n\x0cprefix_reuse\x18\x0c \x01(\x08\x12\x1f\n\x17prefix_reuse_off_reason\x18\r \x01(\t\"\x10\n\x0eGetLoadRequest\"c\n\tClassLoad\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x12\n\nfree_slabs\x18\x03 \x01(\r\x12\x13\n\x0btotal_slabs\x18\x04 \x01(\r\x12\x0e\n\x06queued\x18\x05 \x01(\r\"n\n\x0fGetLoadResponse\x12(\n\x07\x63lasses\x18\x01 \x03(\x0b\x32\x17.slabserve.v1.ClassLoad\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\x84\x03\n\tSlabServe\x12K\n\x08Generate\x12\x1d.slabserve.v1.GenerateRequest\x1a\x1e.slabserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.slabserve.v1.TokenizeRequest\x1a\x1e.slabserve.v1.TokenizeResponse\x12U\n\x0cGetModelInfo\x12!.slabserve.v1.GetModelInfoRequest\x1a\".slabserve.v1.GetModelInfoResponse\x12\x46\n\x07GetLoad\x12\x1c.slabserve.v1.GetLoadRequest\x1a\x1d.slabserve.v1.GetLoadResponse\x12@\n\x05\x41\x62ort\x12\x1a.slabserve.v1.AbortRequest\x1a\x1b.slabserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'slabserve.v1.serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2147
-  _globals['_FINISHREASON']._serialized_end=2271
+  _globals['_FINISHREASON']._serialized_start=2225
+  _globals['_FINISHREASON']._serialized_end=2349
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_MESSAGE']._serialized_start=69
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENOUTPUT']._serialized_start=800
   _globals['_TOKENOUTPUT']._serialized_end=846
   _globals['_USAGE']._serialized_start=848
-  _globals['_USAGE']._serialized_end=905
-  _globals['_TIMINGS']._serialized_start=907
-  _globals['_TIMINGS']._serialized_end=1015
-  _globals['_GENERATIONFINISHED']._serialized_start=1018
-  _globals['_GENERATIONFINISHED']._serialized_end=1187
-  _globals['_GENERATERESPONSE']._serialized_start=1190
-  _globals['_GENERATERESPONSE']._serialized_end=1335
-  _globals['_TOKENIZEREQUEST']._serialized_start=1337
-  _globals['_TOKENIZEREQUEST']._serialized_end=1425
-  _globals['_TOKENIZERESPONSE']._serialized_start=1427
-  _globals['_TOKENIZERESPONSE']._serialized_end=1464
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1466
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1487
-  _globals['_SLABCLASS']._serialized_start=1489
-  _globals['_SLABCLASS']._serialized_end=1546
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1549
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1844
-  _globals['_GETLOADREQUEST']._serialized_start=1846
-  _globals['_GETLOADREQUEST']._serialized_end=1862
-  _globals['_CLASSLOAD']._serialized_start=1864
-  _globals['_CLASSLOAD']._serialized_end=1963
-  _globals['_GETLOADRESPONSE']._serialized_start=1965
-  _globals['_GETLOADRESPONSE']._serialized_end=2075
-  _globals['_ABORTREQUEST']._serialized_start=2077
-  _globals['_ABORTREQUEST']._serialized_end=2111
-  _globals['_ABORTRESPONSE']._serialized_start=2113
-  _globals['_ABORTRESPONSE']._serialized_end=2145
-  _globals['_SLABSERVE']._serialized_start=2274
-  _globals['_SLABSERVE']._serialized_end=2662
+  _globals['_USAGE']._serialized_end=928
+  _globals['_TIMINGS']._serialized_start=930
+  _globals['_TIMINGS']._serialized_end=1038
+  _globals['_GENERATIONFINISHED']._serialized_start=1041
+  _globals['_GENERATIONFINISHED']._serialized_end=1210
+  _globals['_GENERATERESPONSE']._serialized_start=1213
+  _globals['_GENERATERESPONSE']._serialized_end=1358
+  _globals['_TOKENIZEREQUEST']._serialized_start=1360
+  _globals['_TOKENIZEREQUEST']._serialized_end=1448
+  _globals['_TOKENIZERESPONSE']._serialized_start=1450
+  _globals['_TOKENIZERESPONSE']._serialized_end=1487
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1489
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1510
+  _globals['_SLABCLASS']._serialized_start=1512
+  _globals['_SLABCLASS']._serialized_end=1569
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1572
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1922
+  _globals['_GETLOADREQUEST']._serialized_start=1924
+  _globals['_GETLOADREQUEST']._serialized_end=1940
+  _globals['_CLASSLOAD']._serialized_start=1942
+  _globals['_CLASSLOAD']._serialized_end=2041
+  _globals['_GETLOADRESPONSE']._serialized_start=2043
+  _globals['_GETLOADRESPONSE']._serialized_end=2153
+  _globals['_ABORTREQUEST']._serialized_start=2155
+  _globals['_ABORTREQUEST']._serialized_end=2189
+  _globals['_ABORTRESPONSE']._serialized_start=2191
+  _globals['_ABORTRESPONSE']._serialized_end=2223
+  _globals['_SLABSERVE']._serialized_start=2352
+  _globals['_SLABSERVE']._serialized_end=2740
 # @@protoc_insertion_point(module_scope)

@@ -91,12 +91,14 @@ class TokenOutput(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds")
@@ -157,7 +159,7 @@ class SlabClass(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tokens: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "plan_id", "context_limit", "max_request_tokens", "slab_classes", "vocab_size", "max_running", "step_tokens", "queue_limit", "has_chat_template", "max_queue_delay_ms")
+    __slots__ = ("model_name", "plan_id", "context_limit", "max_request_tokens", "slab_classes", "vocab_size", "max_running", "step_tokens", "queue_limit", "has_chat_template", "max_queue_delay_ms", "prefix_reuse", "prefix_reuse_off_reason")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +171,8 @@ class GetModelInfoResponse(_message.Message):
     QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSE_OFF_REASON_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     plan_id: str
     context_limit: int
@@ -180,7 +184,9 @@ class GetModelInfoResponse(_message.Message):
     queue_limit: int
     has_chat_template: bool
     max_queue_delay_ms: int
-    def __init__(self, model_name: _Optional[str] = ..., plan_id: _Optional[str] = ..., context_limit: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., slab_classes: _Optional[_Iterable[_Union[SlabClass, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_running: _Optional[int] = ..., step_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., max_queue_delay_ms: _Optional[int] = ...) -> None: ...
+    prefix_reuse: bool
+    prefix_reuse_off_reason: str
+    def __init__(self, model_name: _Optional[str] = ..., plan_id: _Optional[str] = ..., context_limit: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., slab_classes: _Optional[_Iterable[_Union[SlabClass, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_running: _Optional[int] = ..., step_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., max_queue_delay_ms: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., prefix_reuse_off_reason: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
