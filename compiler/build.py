@@ -73,10 +73,15 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     activation_bytes = shared_arena_bytes(sizing)
     # 4) staging
     staging = staging_buffers(spec, config)
-    # 5) KV slabs under what is left; then every bucket traced at the planned rows (their graph fingerprints)
+    # 5) KV: the declared prefixes' rows first, slab classes under what is left; then every bucket traced at the
+    #    planned rows (their graph fingerprints)
+    prefixes = declared_prefixes(spec, model)
+    prefix_bytes = sum(len(ids) for _, ids in prefixes) * kv_bytes_per_token(
+        config.num_layers, config.num_kv_heads, config.head_dim, DTYPES[spec.kv_dtype])
     while True:
-        slabs = plan_slabs_for(spec, config, weights.arena_bytes, activation_bytes, staging.total_bytes)
-        kv = kv_arena(config, spec.kv_dtype, slabs)
+        slabs = plan_slabs_for(spec, config, weights.arena_bytes, activation_bytes,
+                               staging.total_bytes + prefix_bytes)
+        kv = kv_arena(config, spec.kv_dtype, slabs, prefixes)
         rope_positions = slabs.max_request_tokens
         traced = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows,
                                rope_positions=rope_positions, device=spec.target.device, gemm=gemm,
@@ -86,6 +91,11 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
         if activations.arena_bytes <= activation_bytes:
             break
         activation_bytes = activations.arena_bytes  # a smaller bucket needs more than the largest: plan again
+    for name, ids in prefixes:
+        if len(ids) >= slabs.max_request_tokens:
+            raise BuildError(f"{spec.source}: prefixes: {name!r} has {len(ids)} tokens and the largest slab holds "
+                             f"{slabs.max_request_tokens}: a request starting with it could never fit; shorten it by "
+                             f"{len(ids) - slabs.max_request_tokens + 1} tokens or plan larger slabs")
     # 6) totals
     weights = weight_arena(config, spec.dtype, rope_positions, gemm)
     totals = _totals(spec, weights.arena_bytes, kv.arena_bytes, activations.arena_bytes, staging.total_bytes)
@@ -178,7 +188,43 @@ def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positio
         model_package=spec.model.package, model_file=spec.model.file, dtype=spec.dtype, kv_dtype=spec.kv_dtype,
         device=spec.target.device, max_seqs=spec.max_seqs, step_tokens=spec.step_tokens, buckets=spec.buckets,
         queue_limit=spec.queue_limit, rope_positions=rope_positions, max_queue_delay_ms=spec.max_queue_delay_ms,
-        gemm=gemm)
+        gemm=gemm, prefix_reuse=spec.prefix_reuse)
+
+
+def declared_prefixes(spec: Spec, model: ModelInputs) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, token ids) of each declared prefix, encoded by the model's own tokenizer as the server encodes a
+    prompt: text as a text prompt is, messages rendered with the chat template without the generation prompt."""
+    if not spec.prefixes:
+        return ()
+    from slabserve.runtime.tokenizer import Tokenizer  # the compiler needs it only here
+
+    path = model.resolved.path
+    try:
+        if model.resolved.kind == "gguf":
+            tokenizer = Tokenizer.from_gguf(path)
+        else:
+            tokenizer = Tokenizer.from_hf_dir(path if Path(path).is_dir() else Path(path).parent)
+    except (OSError, ValueError) as err:
+        raise BuildError(f"{spec.source}: prefixes: the model's tokenizer is needed to encode declared prefixes "
+                         f"and cannot be read: {err}") from None
+    out = []
+    for i, prefix in enumerate(spec.prefixes):
+        try:
+            if prefix.messages:
+                messages = [{"role": r, "content": c} for r, c in prefix.messages]
+                ids = tokenizer.encode_chat(messages, add_generation_prompt=False)
+            else:
+                ids = tokenizer.encode(prefix.text)
+        except ValueError as err:
+            raise BuildError(f"{spec.source}: prefixes[{i}] ({prefix.name}): cannot be encoded: {err}") from None
+        if not ids:
+            raise BuildError(f"{spec.source}: prefixes[{i}] ({prefix.name}): encodes to no tokens")
+        if len(ids) >= spec.max_context:
+            raise BuildError(f"{spec.source}: prefixes[{i}] ({prefix.name}): {len(ids)} tokens, not below "
+                             f"max_context ({spec.max_context}); a request starting with it could never fit: "
+                             f"shorten it by {len(ids) - spec.max_context + 1} tokens or more")
+        out.append((prefix.name, tuple(int(t) for t in ids)))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,16 +318,24 @@ def plan_slabs_for(spec: Spec, config: ModelConfig, weights: int, activations: i
                                                  str(err))) from None
 
 
-def kv_arena(config: ModelConfig, kv_dtype: str, slabs: SlabPlan) -> P.KVArena:
-    rows = slabs.arena_tokens
+def kv_arena(config: ModelConfig, kv_dtype: str, slabs: SlabPlan,
+             prefixes: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> P.KVArena:
+    """The slab classes back to back, then the declared prefixes' rows."""
+    rows = slabs.arena_tokens + sum(len(ids) for _, ids in prefixes)
     one = config.num_layers * rows * config.num_kv_heads * config.head_dim * DTYPES[kv_dtype]  # (L, N, Hkv, D)
     classes, row = [], 0
     for c in slabs.classes:
         classes.append(P.SlabEntry(tokens=c.tokens, count=c.count, row_offset=row, share=round(c.share, 9)))
         row += c.tokens * c.count
+    declared = []
+    for name, ids in prefixes:
+        declared.append(P.PrefixEntry(name=name, token_ids=ids, row_offset=row,
+                                      kv_bytes=len(ids) * slabs.kv_bytes_per_token))
+        row += len(ids)
     return P.KVArena(num_layers=config.num_layers, rows=rows, num_kv_heads=config.num_kv_heads,
                      head_dim=config.head_dim, dtype=kv_dtype, bytes_per_token=slabs.kv_bytes_per_token,
-                     k_bytes=one, v_bytes=one, arena_bytes=2 * one, classes=tuple(classes))
+                     k_bytes=one, v_bytes=one, arena_bytes=2 * one, classes=tuple(classes),
+                     prefixes=tuple(declared))
 
 
 def capacity(slabs: SlabPlan) -> P.Capacity:

@@ -34,6 +34,13 @@ The shape of a spec (`?` marks an optional key; its default follows `=`):
                                        # panel-packed fp32 CPU kernel (kernels/cpu_native.c); auto takes it for
                                        # float32 on cpu when this machine can build and run it, else aten
     max_context: 8192                  # longest prompt + output of one request
+    prefix_reuse?: true                # slabs keep their KV for later prompts that start the same way
+                                       # (runtime/prefix_cache.py); outputs are the same either way
+    prefixes?:                         # prompt beginnings kept warm: prefilled at start-up into rows of their own
+      - name: assistant                # after the slab classes, and copied into a request's slab when its prompt
+        text: "You are ..."            # starts with them; exactly one of `text` (encoded as a prompt is),
+        messages: [{role: system, content: "..."}]   # `messages` (rendered with the chat template, without
+        file: prompts/tools.txt        # the generation prompt) and `file` (UTF-8 text, relative to base_dir)
     kv:                                # exactly one of `classes` and `workload`
       classes: [{tokens: 512, count: 24}, {tokens: 8192, count: 2}]   # ascending tokens
       workload:                        # exactly one of `mix` and `trace`
@@ -146,6 +153,21 @@ class WorkloadSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixSpec:
+    """A declared prefix: exactly one of `text`, `messages` ((role, content) pairs) and `file` (whose content is
+    read into `text` when the spec is parsed)."""
+
+    name: str
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] = ()
+    file: str | None = None
+
+
+MAX_PREFIXES = 64
+MAX_PREFIX_FILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
 class KVSpec:
     classes: tuple[SlabClassSpec, ...] = ()  # listed slab classes, ascending tokens; empty when workload is set
     workload: WorkloadSpec | None = None
@@ -171,6 +193,8 @@ class Spec:
     queue_limit: int = DEFAULT_QUEUE_LIMIT  # waiting requests per slab class
     max_queue_delay_ms: int | None = None   # admission by latency; None: off
     gemm: str = "auto"                      # "auto", "aten" or "native" (runtime.plan.GEMMS)
+    prefix_reuse: bool = True               # retained prefixes (runtime.prefix_cache)
+    prefixes: tuple[PrefixSpec, ...] = ()   # declared prefixes, prefilled at start-up
     source: str = field(default="<spec>", compare=False)  # where the spec came from, for messages only
 
     @property
@@ -325,7 +349,7 @@ def _show(value: object) -> str:
 
 
 _TOP_KEYS = ("name", "model", "target", "dtype", "kv_dtype", "max_seqs", "step_tokens", "buckets", "queue_limit",
-             "max_queue_delay_ms", "gemm", "max_context", "kv")
+             "max_queue_delay_ms", "gemm", "max_context", "kv", "prefix_reuse", "prefixes")
 
 _TOP_REQUIRED = ("name", "model", "target", "max_seqs", "step_tokens", "max_context", "kv")
 
@@ -358,6 +382,12 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         raise _Invalid(f"gemm: native is the float32 CPU kernel; this spec targets {target.device} with dtype "
                        f"{dtype}: use gemm: aten or auto")
     max_context = _int(top["max_context"], "max_context")
+    prefix_reuse = top.get("prefix_reuse", True)
+    if not isinstance(prefix_reuse, bool):
+        raise _Invalid(f"prefix_reuse: expected true or false; got {_show(prefix_reuse)}")
+    prefixes = _parse_prefixes(top.get("prefixes"), base)
+    if prefixes and not prefix_reuse:
+        raise _Invalid("prefixes: declared prefixes are reused KV; they need prefix_reuse: true (or remove them)")
     return Spec(
         name=name,
         model=_parse_model(top["model"]),
@@ -372,8 +402,61 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         queue_limit=queue_limit,
         max_queue_delay_ms=delay,
         gemm=gemm,
+        prefix_reuse=prefix_reuse,
+        prefixes=prefixes,
         source=source,
     )
+
+
+def _parse_prefixes(value: object, base: Path) -> tuple[PrefixSpec, ...]:
+    if value is None:
+        return ()
+    items = _list(value, "prefixes", "declared prefixes")
+    if len(items) > MAX_PREFIXES:
+        raise _Invalid(f"prefixes: {len(items)} declared; at most {MAX_PREFIXES}")
+    out, names = [], set()
+    for i, item in enumerate(items):
+        path = f"prefixes[{i}]"
+        entry = _mapping(item, path, ("name", "text", "messages", "file"), ("name",))
+        name = _text(entry["name"], f"{path}.name")
+        if not _NAME_RE.fullmatch(name):
+            raise _Invalid(f"{path}.name: {name!r} is not allowed; use letters, digits, '.', '_' and '-'")
+        if name in names:
+            raise _Invalid(f"{path}.name: {name!r} is declared twice; names must be unique")
+        names.add(name)
+        given = [k for k in ("text", "messages", "file") if k in entry]
+        if len(given) != 1:
+            raise _Invalid(f"{path}: give exactly one of `text`, `messages` and `file`; got "
+                           f"{', '.join(given) or 'none'}")
+        if "text" in entry:
+            out.append(PrefixSpec(name, text=_text(entry["text"], f"{path}.text")))
+        elif "messages" in entry:
+            messages = []
+            for j, message in enumerate(_list(entry["messages"], f"{path}.messages", "chat messages")):
+                m = _mapping(message, f"{path}.messages[{j}]", ("role", "content"), ("role", "content"))
+                messages.append((_text(m["role"], f"{path}.messages[{j}].role"),
+                                 _text(m["content"], f"{path}.messages[{j}].content")))
+            out.append(PrefixSpec(name, messages=tuple(messages)))
+        else:
+            file = _text(entry["file"], f"{path}.file")
+            out.append(PrefixSpec(name, text=_read_prefix_file(base / file, f"{path}.file"), file=file))
+    return tuple(out)
+
+
+def _read_prefix_file(path: Path, key: str) -> str:
+    try:
+        size = path.stat().st_size
+        if size > MAX_PREFIX_FILE_BYTES:
+            raise _Invalid(f"{key}: {str(path)!r} has {size} bytes; a declared prefix file holds at most "
+                           f"{MAX_PREFIX_FILE_BYTES}")
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise _Invalid(f"{key}: cannot read {str(path)!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise _Invalid(f"{key}: {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():
+        raise _Invalid(f"{key}: {str(path)!r} is empty")
+    return text
 
 
 def _parse_model(value: object) -> ModelSpec:
@@ -682,7 +765,17 @@ def spec_to_dict(spec: Spec) -> dict[str, Any]:
         "gemm": spec.gemm,
         "max_context": spec.max_context,
         "kv": _kv_to_dict(spec.kv),
+        "prefix_reuse": spec.prefix_reuse,
+        **({"prefixes": [_prefix_to_dict(p) for p in spec.prefixes]} if spec.prefixes else {}),
     }
+
+
+def _prefix_to_dict(prefix: PrefixSpec) -> dict[str, Any]:
+    if prefix.file is not None:
+        return {"name": prefix.name, "file": prefix.file}
+    if prefix.messages:
+        return {"name": prefix.name, "messages": [{"role": r, "content": c} for r, c in prefix.messages]}
+    return {"name": prefix.name, "text": prefix.text}
 
 
 def _kv_to_dict(kv: KVSpec) -> dict[str, Any]:

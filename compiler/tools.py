@@ -35,6 +35,10 @@ def summary(plan: P.Plan, plan_id: str) -> str:
                  f"{format_bytes(naive)}")
     lines += ["", f"  {'slab class':<14}{'count':>7}{'row offset':>13}{'share of mix':>15}"]
     lines += [f"  {c.tokens:>8} tok  {c.count:>7}{c.row_offset:>13}{c.share:>15.3f}" for c in kv.classes]
+    lines += ["", f"  prefix reuse: {'on' if plan.engine.prefix_reuse else 'off'}"
+                  + (f"; {len(kv.prefixes)} declared prefix(es), prefilled at start-up:" if kv.prefixes else "")]
+    lines += [f"    {p.name:<24}{len(p.token_ids):>7} tok  row {p.row_offset:>9}  {format_bytes(p.kv_bytes):>12}"
+              for p in kv.prefixes]
     lines += ["", f"  capacity: {cap.concurrency} requests of the mix at once (KV budget "
                   f"{format_bytes(cap.kv_budget_bytes)}); longest request {cap.max_request_tokens} tokens"]
     if cap.utilization is not None:
@@ -117,6 +121,12 @@ def diff_plans(a: P.Plan, b: P.Plan, id_a: str, id_b: str, max_regression_pct: f
     new_classes = [(c.tokens, c.count) for c in b.kv.classes]
     if old_classes != new_classes:
         lines.append(f"  slab classes (tokens x count): {old_classes} -> {new_classes}")
+    old_prefixes = [(p.name, len(p.token_ids)) for p in a.kv.prefixes]
+    new_prefixes = [(p.name, len(p.token_ids)) for p in b.kv.prefixes]
+    if old_prefixes != new_prefixes or a.engine.prefix_reuse != b.engine.prefix_reuse:
+        lines.append(f"  prefix reuse {'on' if a.engine.prefix_reuse else 'off'} -> "
+                     f"{'on' if b.engine.prefix_reuse else 'off'}; declared prefixes (name, tokens): "
+                     f"{old_prefixes} -> {new_prefixes}")
     if a.fingerprints.model_config != b.fingerprints.model_config:
         lines.append("  model config changed")
     if a.totals.fits and not b.totals.fits:

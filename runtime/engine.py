@@ -51,6 +51,7 @@ class EngineConfig:
     kv_dtype: str | None = None          # the KV arena's dtype; None: `dtype`
     graph_budget_bytes: int | None = None  # CUDA: what graph capture may add (the plan's target.reserve)
     prefix_reuse: bool = True            # slabs keep their prefixes for later prompts (where rows are exact)
+    prefixes: tuple[tuple[str, tuple[int, ...]], ...] = ()  # declared (name, token ids): rows after the slabs
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +134,15 @@ class Engine:
         if max_slab > c.context_limit:
             raise ValueError(f"slab class of {max_slab} tokens exceeds the model's context of {c.context_limit}: "
                              f"lower it by {max_slab - c.context_limit}")
+        for name, ids in config.prefixes:
+            if not 1 <= len(ids) < max_slab:
+                raise ValueError(f"declared prefix {name!r} has {len(ids)} tokens; it must be shorter than the "
+                                 f"largest slab ({max_slab})")
         self.gemm = config.gemm or default_gemm(self.device.type, self.dtype)
         check_gemm_runs_here(self.gemm, self.device.type)
         self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, device=self.device,
                                   gemm=self.gemm)  # one weight arena
-        rows = sum(k.tokens * k.count for k in config.classes)
+        rows = sum(k.tokens * k.count for k in config.classes) + sum(len(ids) for _, ids in config.prefixes)
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.kv_dtype,
                                    device=self.device)  # (L, N, Hkv, D)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -157,6 +162,7 @@ class Engine:
         self.prefix_reuse_off = prefix_reuse_off_reason(config.prefix_reuse, self.gemm, self.device.type)
         self.scheduler = Scheduler(config.classes, config.max_seqs, config.step_tokens, buckets, config.queue_limit,
                                    max_queue_delay_s=delay_s, prefix_reuse=self.prefix_reuse_off is None)
+        self.declared: dict[str, int] = {}  # declared prefix name -> tokens, once prefilled (warm_up)
         self.copy_row_s: float | None = None      # measured by warm_up: copying one KV row (every layer)
         self.prefill_token_s: float | None = None  # measured by warm_up: prefilling one token in the largest bucket
         self._live: dict[str, _Live] = {}
@@ -186,7 +192,8 @@ class Engine:
         config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
                               plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms,
-                              plan.engine.gemm, plan.engine.device, plan.engine.kv_dtype, plan.target.reserve_bytes)
+                              plan.engine.gemm, plan.engine.device, plan.engine.kv_dtype, plan.target.reserve_bytes,
+                              plan.engine.prefix_reuse, plan.declared_prefixes())
         fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
         graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
@@ -371,10 +378,31 @@ class Engine:
                                  single_thread=single_thread, device=self.device)
         self.scheduler.step_times.seed(typical)  # admission by latency starts from these, then measures
         self.scheduler.forget_free_prefixes()  # the warm-up wrote into free slabs
+        self._prefill_declared()
         if self.device.type == "cuda":  # what start-up freed (tracing's temporaries) goes back: reserved = planned
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         self.warmed_on = threading.get_ident()
+
+    def _prefill_declared(self) -> None:
+        """Prefill each declared prefix into its own rows (after the slabs; the warm-up never writes there) in
+        chunks of up to step_tokens, and hand them to the scheduler, which only ever copies from them. Once: they
+        stay valid for the engine's life. Skipped, with the reason in `prefix_reuse_off`, where reuse is off."""
+        if self.scheduler.prefix is None or self.declared or not self.config.prefixes:
+            return
+        row = sum(k.tokens * k.count for k in self.config.classes)
+        step = self.config.step_tokens
+        for name, ids in self.config.prefixes:
+            for start in range(0, len(ids), step):
+                chunk = SeqChunk(row, start, list(ids[start : start + step]), len(ids))
+                bucket = next(b for b in self.inputs if b >= len(chunk.token_ids))
+                self.inputs[bucket].fill([chunk])
+                self._run_step(bucket)
+            self.scheduler.declare_prefix(row, ids)
+            self.declared[name] = len(ids)
+            row += len(ids)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _measure_copies(self, typical: Mapping[int, float]) -> tuple[int, int, int] | None:
         """Time copying KV rows between two slabs against prefilling them (the largest bucket's time per token),

@@ -175,7 +175,8 @@ class SlabServeServicer(pb_grpc.SlabServeServicer):
             step_tokens=scheduler.step_tokens, queue_limit=scheduler.queue_limit,
             has_chat_template=engine.tokenizer.chat_template is not None,
             max_queue_delay_ms=round(scheduler.max_queue_delay_s * 1000) if scheduler.max_queue_delay_s else 0,
-            prefix_reuse=engine.prefix_reuse_off is None, prefix_reuse_off_reason=engine.prefix_reuse_off or "")
+            prefix_reuse=engine.prefix_reuse_off is None, prefix_reuse_off_reason=engine.prefix_reuse_off or "",
+            declared_prefixes=[pb.DeclaredPrefix(name=n, tokens=t) for n, t in engine.declared.items()])
 
     def GetLoad(self, request, context) -> pb.GetLoadResponse:
         try:

@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 
 SCHEMA = "slabserve.plan"
-SCHEMA_VERSION = 2  # 2: target.requires
+SCHEMA_VERSION = 3  # 2: target.requires; 3: engine.prefix_reuse, kv.prefixes
 GEMMS = ("aten", "native")  # runtime.model.GEMMS (this module imports nothing of ours)
 MAX_QUEUE_DELAY_MS = 3_600_000  # an hour: beyond it admission by latency is off in all but name
 PLAN_FILE = "plan.msgpack"
@@ -73,6 +73,7 @@ class EngineSection:
     rope_positions: int  # rows of the rope table in the weight arena
     max_queue_delay_ms: int | None = None  # admission by latency (runtime.admission); None: off
     gemm: str = "aten"  # matmul path and projection layout (runtime.model.GEMMS): "aten" or "native" (CPU fp32)
+    prefix_reuse: bool = True  # slabs keep their prefixes for later prompts (runtime.prefix_cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +116,19 @@ class SlabEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixEntry:
+    """A declared prefix: its token ids, prefilled at start-up into rows of their own, only ever copied from."""
+
+    name: str
+    token_ids: tuple[int, ...]
+    row_offset: int  # first KV row; declared prefixes lie back to back after the slab classes
+    kv_bytes: int  # len(token_ids) * bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
 class KVArena:
-    """K and V, each one (L, N, Hkv, D) tensor of `dtype`: N = rows, the slab classes back to back."""
+    """K and V, each one (L, N, Hkv, D) tensor of `dtype`: N = rows, the slab classes back to back, then the
+    declared prefixes."""
 
     num_layers: int
     rows: int
@@ -128,6 +140,7 @@ class KVArena:
     v_bytes: int
     arena_bytes: int  # k_bytes + v_bytes
     classes: tuple[SlabEntry, ...]
+    prefixes: tuple[PrefixEntry, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +257,10 @@ class Plan:
         """bucket tokens -> traced node name -> byte offset in the activation arena (runtime.executor.ActivationPlan
         takes this with `activations.arena_bytes`)."""
         return {b.tokens: {t.name: t.offset for t in b.tensors} for b in self.activations.buckets}
+
+    def declared_prefixes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(name, token ids) per declared prefix, in arena order (runtime.engine.EngineConfig.prefixes)."""
+        return tuple((p.name, p.token_ids) for p in self.kv.prefixes)
 
     def slab_classes(self) -> tuple[tuple[int, int], ...]:
         """(tokens, count) per slab class, in arena order (runtime.slab_allocator.SlabClass's fields)."""
@@ -543,7 +560,17 @@ def _check_kv(kv: KVArena, model: ModelSummary, engine: EngineSection) -> None:
         _need(c.share <= 1.0 + 1e-9, f"{where}.share: {c.share} is above 1")
         row += c.tokens * c.count
         _need(row <= kv.rows, f"{where}: slabs end at row {row}, outside the KV arena ({kv.rows} rows)")
-    _need(row == kv.rows, f"kv.rows: {kv.rows}, but the slabs end at row {row}")
+    _need(not kv.prefixes or engine.prefix_reuse, "kv.prefixes: declared prefixes need engine.prefix_reuse")
+    _need(len({p.name for p in kv.prefixes}) == len(kv.prefixes), "kv.prefixes: a name appears twice")
+    for i, p in enumerate(kv.prefixes):
+        where = f"kv.prefixes[{i}] ({p.name})"
+        _need(len(p.token_ids) >= 1, f"{where}.token_ids: empty")
+        _need(p.row_offset == row, f"{where}.row_offset: {p.row_offset}, expected {row} (after the slabs and the "
+                                   f"prefixes before it)")
+        _need(p.kv_bytes == len(p.token_ids) * kv.bytes_per_token, f"{where}.kv_bytes: is not tokens * "
+                                                                    f"bytes_per_token")
+        row += len(p.token_ids)
+    _need(row == kv.rows, f"kv.rows: {kv.rows}, but the slabs and declared prefixes end at row {row}")
     _need(sum(c.count for c in kv.classes) <= engine.max_seqs, "kv.classes: more slabs than max_seqs")
 
 

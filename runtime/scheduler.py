@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from slabserve.runtime.admission import AdmissionView, OverloadedError, Pending, StepTimes
 from slabserve.runtime.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixIndex
-from slabserve.runtime.slab_allocator import Slab, SlabAllocator, SlabClass
+from slabserve.runtime.slab_allocator import DECLARED, Slab, SlabAllocator, SlabClass
 
 _RECENT_FREES = 32             # completions per class remembered for the retry hint
 _DEFAULT_RETRY_MS = 1000       # retry hint before any request of the class has finished
@@ -381,6 +381,13 @@ class Scheduler:
                              self.buckets, self.step_times.snapshot(), self.oldest_prefill_share,
                              [self._slab_wait_s(h) for h in range(len(self._queues))],
                              self._next_seq_no + len(unsubmitted))
+
+    def declare_prefix(self, first_row: int, token_ids: Sequence[int]) -> None:
+        """Rows first_row .. first_row + len(token_ids) - 1 of the arena (outside every slab class) hold these
+        tokens' KV for good: a declared prefix, which placement copies from and never hands out."""
+        if self.prefix is None:
+            raise RuntimeError("declare_prefix: prefix reuse is off")
+        self.prefix.extend(Slab(DECLARED, first_row, len(token_ids)), token_ids)
 
     def forget_free_prefixes(self) -> None:
         """Free slabs hold nothing known any more (the engine's warm-up wrote into them)."""

@@ -31,6 +31,11 @@ class SlabClass:
             raise ValueError(f"SlabClass.count must be a positive int, got {self.count!r}")
 
 
+# The class_index of a declared prefix's rows (runtime.scheduler.declare_prefix): outside every class, never
+# allocated or freed, only copied from.
+DECLARED = -1
+
+
 @dataclass(frozen=True, slots=True)
 class Slab:
     class_index: int  # index into the allocator's classes

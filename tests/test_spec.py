@@ -155,6 +155,19 @@ BAD_SPECS = [
      r"model.weights: bool False is not allowed; expected one of load, none"),
     ("bad name", edit("name", "my plan!"), r"name: 'my plan!' is not allowed; use letters, digits"),
     ("unknown gemm", edit("gemm", "blas"), r"gemm: 'blas' is not allowed; expected one of auto, aten, native"),
+    ("prefix_reuse not a bool", edit("prefix_reuse", "yes"), r"prefix_reuse: expected true or false; got 'yes'"),
+    ("prefix with two sources", edit("prefixes", [{"name": "sys", "text": "a", "file": "b.txt"}]),
+     r"prefixes\[0\]: give exactly one of `text`, `messages` and `file`; got text, file"),
+    ("prefix without a source", edit("prefixes", [{"name": "sys"}]),
+     r"prefixes\[0\]: give exactly one of `text`, `messages` and `file`; got none"),
+    ("prefix names twice", edit("prefixes", [{"name": "a", "text": "x"}, {"name": "a", "text": "y"}]),
+     r"prefixes\[1\].name: 'a' is declared twice; names must be unique"),
+    ("prefix message without content", edit("prefixes", [{"name": "a", "messages": [{"role": "system"}]}]),
+     r"prefixes\[0\].messages\[0\].content: missing; prefixes\[0\].messages\[0\] needs role, content"),
+    ("prefix file missing", edit("prefixes", [{"name": "a", "file": "nope.txt"}]),
+     r"prefixes\[0\].file: cannot read '.*nope.txt': No such file or directory"),
+    ("prefixes with reuse off", edit("prefixes", [{"name": "a", "text": "x"}], edit("prefix_reuse", False)),
+     r"prefixes: declared prefixes are reused KV; they need prefix_reuse: true"),
     ("top level not a mapping", ["name", "toy"],
      r"^[^:]*spec.yaml: expected a mapping with keys name, model, target, .*; got list"),
 ]
@@ -306,3 +319,18 @@ def test_format_bytes():
     assert format_bytes(3 * GiB // 2) == "1.5 GiB"
     assert format_bytes(512) == "512 B"
     assert format_bytes(-2048) == "-2 KiB"
+
+
+def test_prefixes_parse_from_text_messages_and_a_file_and_round_trip(write, tmp_path):
+    (tmp_path / "tools.txt").write_text("tool: search(query)\n")
+    spec = load_spec(write(edit("prefixes", [
+        {"name": "sys", "text": "You are terse."},
+        {"name": "chat", "messages": [{"role": "system", "content": "Be kind."}]},
+        {"name": "tools", "file": "tools.txt"}])), base_dir=tmp_path)
+    assert spec.prefix_reuse is True
+    assert [(p.name, p.text, p.messages, p.file) for p in spec.prefixes] == [
+        ("sys", "You are terse.", (), None), ("chat", None, (("system", "Be kind."),), None),
+        ("tools", "tool: search(query)\n", (), "tools.txt")]
+    again = load_spec(write(spec_to_dict(spec)), base_dir=tmp_path)
+    assert again == spec
+    assert load_spec(write(edit("prefix_reuse", False)), base_dir=tmp_path).prefix_reuse is False

@@ -159,7 +159,7 @@ class SlabClass(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tokens: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "plan_id", "context_limit", "max_request_tokens", "slab_classes", "vocab_size", "max_running", "step_tokens", "queue_limit", "has_chat_template", "max_queue_delay_ms", "prefix_reuse", "prefix_reuse_off_reason")
+    __slots__ = ("model_name", "plan_id", "context_limit", "max_request_tokens", "slab_classes", "vocab_size", "max_running", "step_tokens", "queue_limit", "has_chat_template", "max_queue_delay_ms", "prefix_reuse", "prefix_reuse_off_reason", "declared_prefixes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class GetModelInfoResponse(_message.Message):
     MAX_QUEUE_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_REUSE_OFF_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     plan_id: str
     context_limit: int
@@ -186,7 +187,16 @@ class GetModelInfoResponse(_message.Message):
     max_queue_delay_ms: int
     prefix_reuse: bool
     prefix_reuse_off_reason: str
-    def __init__(self, model_name: _Optional[str] = ..., plan_id: _Optional[str] = ..., context_limit: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., slab_classes: _Optional[_Iterable[_Union[SlabClass, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_running: _Optional[int] = ..., step_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., max_queue_delay_ms: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., prefix_reuse_off_reason: _Optional[str] = ...) -> None: ...
+    declared_prefixes: _containers.RepeatedCompositeFieldContainer[DeclaredPrefix]
+    def __init__(self, model_name: _Optional[str] = ..., plan_id: _Optional[str] = ..., context_limit: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., slab_classes: _Optional[_Iterable[_Union[SlabClass, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_running: _Optional[int] = ..., step_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., max_queue_delay_ms: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., prefix_reuse_off_reason: _Optional[str] = ..., declared_prefixes: _Optional[_Iterable[_Union[DeclaredPrefix, _Mapping]]] = ...) -> None: ...
+
+class DeclaredPrefix(_message.Message):
+    __slots__ = ("name", "tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tokens: int
+    def __init__(self, name: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
