@@ -1,5 +1,6 @@
-"""2,000 requests of random lengths through one Engine, a third cancelled at random points: afterwards every slab is
-free, nothing is queued or running, and no arena moved (the same storage, at the same address, as at start-up)."""
+"""2,000 requests of random lengths through one Engine, half of them starting with one of a few shared contexts
+(prefix reuse on), a third cancelled at random points: afterwards every slab is free, nothing is queued or running,
+and no arena moved (the same storage, at the same address, as at start-up)."""
 from __future__ import annotations
 
 import random
@@ -42,8 +43,12 @@ def test_two_thousand_requests_with_cancellations_leave_every_slab_free(tmp_path
                 del to_cancel[rid]
                 cancelled += engine.abort(rid)
 
+    vocab = engine.model_config.vocab_size
+    contexts = [[rng.randrange(3, vocab) for _ in range(rng.choice((20, 50, 90)))] for _ in range(4)]
     while submitted < REQUESTS:
-        prompt = [rng.randrange(3, engine.model_config.vocab_size) for _ in range(rng.choice((1, 3, 10, 40, 100)))]
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.choice((1, 3, 10, 40, 100)))]
+        if rng.random() < 0.5:  # half start with a shared context: retained slabs are taken and copied from
+            prompt = (rng.choice(contexts) + prompt)[:100]
         stopping = StoppingOptions(max_tokens=rng.randrange(1, 25), ignore_eos=rng.random() < 0.5)
         try:
             rid = engine.submit(prompt, SamplingParams(temperature=rng.choice((0.0, 1.0)), seed=submitted), stopping)
@@ -58,6 +63,7 @@ def test_two_thousand_requests_with_cancellations_leave_every_slab_free(tmp_path
             step()
     while engine.has_work() or to_cancel:
         step()
+    assert engine.scheduler.prefix_hit_tokens > 0
 
     load = engine.scheduler.load()
     assert not live and finished == REQUESTS

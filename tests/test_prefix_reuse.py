@@ -370,3 +370,32 @@ def test_smollm2_same_tokens_with_reuse_in_a_crowd_with_copies(smollm2_engines):
     assert cached["p3"] > 100, cached                     # from p1, running when p3 arrived
     assert len(copies) >= 3, copies
     assert on.scheduler.allocator.free_counts() == on.scheduler.allocator.total_counts()
+
+
+def test_serving_steps_that_reuse_and_copy_prefixes_create_no_tensor_storage(tmp_path):
+    """Steps that run copies of retained rows, start prefills after a reused prefix and decode beside them: the
+    serving loop still creates no tensor storage (the copies are views of the arena)."""
+    from _models import make_served_tiny_model
+    from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
+    from slabserve.runtime.executor import allocations
+
+    engine = Engine(EngineConfig(str(make_served_tiny_model(tmp_path / "tiny")), (SlabClass(64, 4), SlabClass(256, 2)),
+                                 max_seqs=6, step_tokens=32, buckets=(1, 8, 32), queue_limit=8))
+    assert engine.prefix_reuse_off is None and engine.scheduler.copy_min_tokens is not None
+    context = list(range(3, 70))
+    stopping = StoppingOptions(max_tokens=6, ignore_eos=True)
+    engine.generate([context + [5]], stopping=stopping)  # leaves its rows in a free slab
+    copies = []
+    real_copy = engine._copy_rows
+    engine._copy_rows = lambda *a: (copies.append(a), real_copy(*a))
+    for k in range(4):
+        engine.submit(context + [k + 7, k + 8], stopping=stopping)
+    finals = []
+
+    def step() -> None:
+        finals.extend(e for e in engine.step() if e.finished is not None)
+
+    assert allocations(step, steps=12) == []
+    while engine.has_work():
+        step()
+    assert copies and len(finals) == 4 and all(e.cached_tokens >= len(context) for e in finals)

@@ -283,6 +283,23 @@ def test_tokenize_model_info_and_metrics(served):
     assert values['slabserve_requests_total{code="OK",finish_reason="length"}'] >= 1
 
 
+def test_a_repeated_prompt_is_served_from_retained_kv_and_says_so(served):
+    info = served.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.prefix_reuse and not info.prefix_reuse_off_reason
+    request = pb.GenerateRequest(prompt="Name three colours of the rainbow, then three fruits of the same colours, "
+                                        "then one sentence about why the sky looks blue at noon, please.",
+                                 stopping=pb.StoppingOptions(max_tokens=6, ignore_eos=True))
+    first_tokens, _, first = _collect(served.stub.Generate(request))
+    again_tokens, _, again = _collect(served.stub.Generate(request))
+    assert again_tokens == first_tokens
+    assert again.usage.cached_tokens == again.usage.prompt_tokens - 1  # only its last token was computed
+    text = urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}/metrics", timeout=10).read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("slabserve_prefix")}
+    assert values["slabserve_prefix_hit_tokens_total"] >= again.usage.cached_tokens
+    assert values["slabserve_prefix_miss_tokens_total"] >= first.usage.prompt_tokens
+
+
 # ---- bad requests -----------------------------------------------------------------------------------------------
 
 def _gen(**fields) -> pb.GenerateRequest:
