@@ -191,8 +191,8 @@ class EngineLoop:
             if sink is None:
                 continue
             if event.finished is not None and (event.token_ids or event.text):  # tokens in a token event only
-                sink.put(dataclasses.replace(event, finished=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0,
-                                             timings=None))
+                sink.put(dataclasses.replace(event, finished=None, prompt_tokens=0, completion_tokens=0,
+                                             cached_tokens=0, timings=None))
                 event = dataclasses.replace(event, token_ids=(), text="")
             sink.put(event)
         if self.metrics is not None and tokens:

@@ -65,7 +65,8 @@ class SlabAllocator:
         # last, so the first allocate() returns it).
         # allocate() hands out the slab freed last (its rows are the most likely still in cache); allocate_lru() the
         # one freed longest ago (whose retained prefix has gone unused the longest); allocate_slab() a given one.
-        self._free: list[OrderedDict[int, None]] = [OrderedDict.fromkeys(range(c.count - 1, -1, -1)) for c in self.classes]
+        self._free: list[OrderedDict[int, None]] = [OrderedDict.fromkeys(range(c.count - 1, -1, -1))
+                                                    for c in self.classes]
         self._in_use = [bytearray(c.count) for c in self.classes]
 
     @property

@@ -464,3 +464,79 @@ def test_sweep_plots_and_percentiles(tmp_path):
     data = plot_sweep(result, tmp_path / "sweep.png").read_bytes()
     assert data[:4] == b"\x89PNG"
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+
+
+# ---- workload shapes: multi-turn chat and repeated contexts -------------------------------------------------------
+
+CHAT_MIX = {"name": "tiny-chat", "shape": "chat-sessions", "think_s": 0.1, "turns": [2, 3], "classes": [
+    {"name": "first-turn", "share": 0.4, "prompt": [20, 40], "output": [4, 8]},
+    {"name": "next-turn", "share": 0.6, "prompt": [5, 10], "output": [4, 8]}]}
+CONTEXT_MIX = {"name": "tiny-context", "shape": "repeated-context", "contexts": 2, "context_tokens": [60, 120],
+               "classes": [{"name": "edit", "share": 1.0, "prompt": [5, 10], "output": [2, 6]}]}
+
+
+def test_chat_sessions_resend_their_history_and_repeated_contexts_share_their_start():
+    chat = poisson_schedule(mix_from_dict(CHAT_MIX), 4.0, 7, duration_s=30)
+    sessions: dict[int, list[Arrival]] = {}
+    for a in chat:
+        sessions.setdefault(a.session, []).append(a)
+    assert len(sessions) > 5 and all(2 <= len(t) <= 3 for t in sessions.values())
+    for turns in sessions.values():
+        turns.sort(key=lambda a: a.turn)
+        assert [a.class_name for a in turns] == ["first-turn"] + ["next-turn"] * (len(turns) - 1)
+        history = 0
+        for a in turns:  # each prompt is every earlier message and answer, then its own message
+            assert a.prompt_tokens == history + a.message_tokens
+            history += a.message_tokens + a.output_tokens
+    assert 3.0 < len(chat) / 30 < 5.5  # turns arrive at about the rate
+    context = poisson_schedule(mix_from_dict(CONTEXT_MIX), 5.0, 7, duration_s=20)
+    seeds = {a.context: (a.context_seed, a.context_tokens) for a in context}
+    assert set(seeds) == {0, 1} and all(60 <= n <= 120 for _, n in seeds.values())
+    assert all(seeds[a.context] == (a.context_seed, a.context_tokens) for a in context)
+    assert all(5 <= a.prompt_tokens - a.context_tokens <= 10 for a in context)
+    replayed = soak.soak_schedule(mix_from_dict(CHAT_MIX), 4.0, 7, lead_in_s=10, duration_s=50)
+    by_session: dict[int, int] = {}
+    for a in replayed:
+        by_session[a.session] = by_session.get(a.session, 0) + (a.turn == 0)
+    assert set(by_session.values()) == {1}  # replayed conversations are new ones
+
+
+def test_a_chat_sessions_run_sends_each_turn_after_the_last_answer_with_it(tiny_server, tmp_path):
+    mix = tmp_path / "chat.yaml"
+    mix.write_text(json.dumps(CHAT_MIX))
+    out = tmp_path / "chat"
+    assert loadgen.main(["run", "--addr", tiny_server.address, "--rate", "6", "--duration", "3", "--mix", str(mix),
+                         "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    doc = json.loads((out / "loadgen.json").read_text())
+    arrivals = poisson_schedule(mix_from_dict(CHAT_MIX), 6, 0, duration_s=3)
+    records = doc["records"]
+    assert all(r["status"] == "OK" for r in records)
+    by_turn = {(a.session, a.turn): r for a, r in zip(arrivals, records)}
+    for (session, turn), r in by_turn.items():
+        assert r["prompt_tokens"] == next(a for a in arrivals if (a.session, a.turn) == (session, turn)).prompt_tokens
+        if turn:
+            before = by_turn[(session, turn - 1)]
+            assert r["sent_s"] >= before["end_s"] + 0.1 - 1e-3  # after the answer, and the think time
+            assert r["cached_tokens"] >= before["prompt_tokens"] - 16  # the history came back from retained KV
+    nxt = doc["summary"]["classes"]["next-turn"]
+    assert nxt["cached_fraction"] > 0.5 and doc["meta"]["mix"]["shape"] == "chat-sessions"
+
+
+def test_a_repeated_context_run_reuses_the_contexts(tiny_server, tmp_path):
+    mix = tmp_path / "context.yaml"
+    mix.write_text(json.dumps(CONTEXT_MIX))
+    out = tmp_path / "context"
+    assert loadgen.main(["run", "--addr", tiny_server.address, "--rate", "8", "--duration", "2", "--mix", str(mix),
+                         "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    doc = json.loads((out / "loadgen.json").read_text())
+    assert all(r["status"] == "OK" for r in doc["records"])
+    assert doc["summary"]["overall"]["cached_fraction"] > 0.5
+
+
+def test_chat_sessions_need_the_grpc_api():
+    arrivals = poisson_schedule(mix_from_dict(CHAT_MIX), 2, 0, duration_s=20)
+    assert arrivals
+    target = Target("127.0.0.1:1", 512, None, "http")
+    info = pb.GetModelInfoResponse(max_request_tokens=4096)
+    with pytest.raises(loadgen.LoadgenError, match="only the gRPC API returns"):
+        loadgen.execute(target, info, arrivals, 2.0, DriveOptions(progress=False), {})

@@ -76,6 +76,7 @@ class RequestRecord:
     server_ttft_s: float | None = None
     server_tpot_s: float | None = None
     error: str | None = None
+    cached_tokens: int = 0            # of prompt_tokens, those the server served from retained KV (its usage)
     slab_class: int | None = None     # RESOURCE_EXHAUSTED trailer slabserve-slab-class
     retry_after_ms: int | None = None  # RESOURCE_EXHAUSTED trailer retry-after-ms
 
@@ -149,20 +150,64 @@ async def _drive(target: Target, arrivals: tuple[Arrival, ...], window_s: float,
 
 async def _launch(stub, target: Target, arrivals: tuple[Arrival, ...], live: _Live, now, seed: int,
                   deadline_s: float) -> list[asyncio.Task]:
+    """One task per arrival, or per conversation (its turns in order): started at the (first) arrival's time."""
     tasks = []
+    turns: dict[int, list[int]] = {}
     for i, arrival in enumerate(arrivals):
+        if arrival.session >= 0:
+            turns.setdefault(arrival.session, []).append(i)
+    contexts: dict[int, list[int]] = {}
+    for i, arrival in enumerate(arrivals):
+        if arrival.session >= 0 and arrival.turn > 0:
+            continue  # sent by its conversation's task
         # build the request before sleeping, so the send happens at its time and not after building 6k ids
         rng = random.Random(seed * 1_000_003 + i)
-        request = pb.GenerateRequest(
-            request_id=f"loadgen-{seed}-{i}",
-            token_ids=pb.TokenIds(ids=prompt_ids(arrival.prompt_tokens, target.vocab_size, rng)),
-            sampling=pb.SamplingParams(temperature=0.0),
-            stopping=pb.StoppingOptions(max_tokens=arrival.output_tokens, ignore_eos=True))
+        if arrival.context >= 0:
+            if arrival.context_seed not in contexts:
+                contexts[arrival.context_seed] = prompt_ids(arrival.context_tokens, target.vocab_size,
+                                                            random.Random(arrival.context_seed))
+            ids = contexts[arrival.context_seed] + prompt_ids(arrival.prompt_tokens - arrival.context_tokens,
+                                                              target.vocab_size, rng)
+        else:
+            ids = prompt_ids(arrival.prompt_tokens, target.vocab_size, rng)
+        request = _request(f"loadgen-{seed}-{i}", ids, arrival.output_tokens)
         delay = arrival.offset_s - now()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(_one_call(stub, request, live.records[i], live, now, deadline_s)))
+        if arrival.session >= 0:
+            order = sorted(turns[arrival.session], key=lambda j: arrivals[j].turn)
+            tasks.append(asyncio.create_task(_conversation(stub, target, arrivals, order, request, live, now,
+                                                           seed, deadline_s)))
+        else:
+            tasks.append(asyncio.create_task(_one_call(stub, request, live.records[i], live, now, deadline_s)))
     return tasks
+
+
+def _request(request_id: str, ids: list[int], max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=ids),
+                              sampling=pb.SamplingParams(temperature=0.0),
+                              stopping=pb.StoppingOptions(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def _conversation(stub, target: Target, arrivals: tuple[Arrival, ...], order: list[int],
+                        first: pb.GenerateRequest, live: _Live, now, seed: int, deadline_s: float) -> None:
+    """A chat's turns one after another: each resends the history (every message, and each answer as the server
+    gave it) with its new message, `think_s` after the answer before it ended (a turn that failed leaves no
+    answer in the history)."""
+    history: list[int] = []
+    request = first
+    for n, i in enumerate(order):
+        arrival, record = arrivals[i], live.records[i]
+        if n:  # nominal offsets are the first turn's + turn * think_s
+            think = (arrival.offset_s - arrivals[order[0]].offset_s) / arrival.turn
+            record.scheduled_s = now() + think
+            await asyncio.sleep(think)
+            message = prompt_ids(arrival.message_tokens, target.vocab_size, random.Random(seed * 1_000_003 + i))
+            request = _request(f"loadgen-{seed}-{i}", history + message, arrival.output_tokens)
+        record.prompt_tokens = len(request.token_ids.ids)
+        answer: list[int] = []
+        await _one_call(stub, request, record, live, now, deadline_s, answer)
+        history = list(request.token_ids.ids) + answer
 
 
 def _http_client(target: Target):
@@ -213,9 +258,11 @@ class _HttpStub:
                         reason = _HTTP_REASONS.get(choice["finish_reason"], pb.FINISH_REASON_CANCELLED)
                 usage = chunk.get("usage")
                 if usage:
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     yield pb.GenerateResponse(finished=pb.GenerationFinished(
                         reason=reason, usage=pb.Usage(prompt_tokens=usage["prompt_tokens"],
-                                                      completion_tokens=usage["completion_tokens"])))
+                                                      completion_tokens=usage["completion_tokens"],
+                                                      cached_tokens=cached)))
 
 
 _HTTP_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
@@ -234,7 +281,8 @@ class _HttpError(Exception):
 
 
 async def _one_call(stub, request: pb.GenerateRequest, record: RequestRecord, live: _Live, now,
-                    deadline_s: float) -> None:
+                    deadline_s: float, answer: list[int] | None = None) -> None:
+    """One Generate call into `record` (and its token ids into `answer`, when given)."""
     record.sent_s = sent = now()
     live.sent += 1
     first = last = None
@@ -246,6 +294,8 @@ async def _one_call(stub, request: pb.GenerateRequest, record: RequestRecord, li
                 if response.token.token_ids:
                     first = t if first is None else first
                     last = t
+                    if answer is not None:
+                        answer.extend(response.token.token_ids)
                 continue
             _finished(record, response.finished)
         record.status = "OK" if record.finish_reason is not None else "INCOMPLETE"
@@ -261,6 +311,8 @@ async def _one_call(stub, request: pb.GenerateRequest, record: RequestRecord, li
         else:
             call.cancel()
         record.status = "CANCELLED"
+        if answer is not None:
+            raise  # a conversation cancelled at the drain timeout sends no more turns
     finally:
         record.end_s = now()
         record.e2e_s = record.end_s - sent
@@ -277,6 +329,7 @@ async def _one_call(stub, request: pb.GenerateRequest, record: RequestRecord, li
 def _finished(record: RequestRecord, finished: pb.GenerationFinished) -> None:
     record.finish_reason = _REASONS.get(finished.reason, str(finished.reason))
     record.completion_tokens = finished.usage.completion_tokens
+    record.cached_tokens = finished.usage.cached_tokens
     if finished.HasField("timings"):
         t = finished.timings
         record.server_queue_s = t.queue_seconds

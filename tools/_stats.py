@@ -59,7 +59,11 @@ def summarize_group(records: Sequence[dict], window_s: float) -> dict:
         "completed_per_s": len(ok) / window,
         "output_tokens_per_s": sum(r.get("completion_tokens") or 0 for r in ok) / window,
         "rejected_fraction": len(rejected) / len(records) if records else 0.0,
+        "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in ok),
+        "cached_tokens": sum(r.get("cached_tokens") or 0 for r in ok),
     }
+    summary["cached_fraction"] = summary["cached_tokens"] / summary["prompt_tokens"] if summary["prompt_tokens"] \
+        else 0.0
     for key in OK_METRICS:
         summary[key] = distribution(r.get(key) for r in ok)
     summary["rejection_latency_s"] = distribution(r.get("e2e_s") for r in rejected)

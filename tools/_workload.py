@@ -12,7 +12,18 @@ A mix file (`--mix FILE`):
       - {name: chat, share: 0.2, prompt: [128, 1024], output: [32, 256]}
       - {name: analysis, share: 0.1, prompt: [2048, 6144], output: [128, 256]}
 
-Lengths are drawn uniformly from the closed ranges. A trace file (`--trace FILE`) is CSV with a header or JSON
+Lengths are drawn uniformly from the closed ranges. Two built-in workloads give prompts a shape that repeats, as
+real traffic does (name them with `--mix`, or add `shape:` and its parameters to a mix file):
+
+  chat-sessions     multi-turn chat: conversations start at Poisson times; each has 2-5 turns, and every turn after
+                    the first resends the whole history (the earlier messages and the answers the server gave) with a
+                    new message, `think_s` seconds after the answer before it ended. Classes: `first-turn` (the
+                    opening message, 64-512 tokens) and `next-turn` (16-128 new tokens); answers of 32-128 tokens.
+                    The rate counts requests (turns): conversations start at rate / 3.5.
+  repeated-context  completions over a few long file contexts: `contexts` contexts of 1,024-4,096 tokens (fixed
+                    for a run), each request one of them with a changed tail of 16-64 tokens, answers of 16-64.
+
+A trace file (`--trace FILE`) is CSV with a header or JSON
 lines, one arrival each: `offset_s` and `class` (a class of the mix), and optionally `prompt_tokens` and
 `output_tokens` (drawn from the class when absent; a row with both may name a class the mix lacks).
 """
@@ -47,6 +58,11 @@ class RequestClass:
 class Mix:
     name: str
     classes: tuple[RequestClass, ...]
+    shape: str = "independent"   # one of SHAPES: how prompts relate to each other
+    think_s: float = 2.0         # chat-sessions: from an answer's end to the next turn
+    turns: tuple[int, int] = (2, 5)  # chat-sessions: turns per conversation, inclusive
+    contexts: int = 4            # repeated-context: distinct contexts in a run
+    context_tokens: tuple[int, int] = (1024, 4096)  # repeated-context: their lengths
 
     def by_name(self, name: str) -> RequestClass:
         for c in self.classes:
@@ -58,10 +74,16 @@ class Mix:
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    offset_s: float       # when to send, from the run's start
+    offset_s: float       # when to send, from the run's start (a later chat turn: after the turn before it)
     class_name: str
-    prompt_tokens: int
+    prompt_tokens: int    # the whole prompt: with a context or a conversation's history included
     output_tokens: int
+    session: int = -1     # chat-sessions: the conversation (turns of one are sent one after another)
+    turn: int = 0         # chat-sessions: 0 for the opening message
+    message_tokens: int = 0  # chat-sessions: the turn's new message (the rest of its prompt is history)
+    context: int = -1     # repeated-context: which context the prompt starts with ...
+    context_tokens: int = 0  # ... and its length (the rest of the prompt is the changed tail)
+    context_seed: int = 0    # ... whose token ids are drawn from this seed
 
 
 # The default "IDE mix": mostly short completions, chat turns, a minority of long analyses.
@@ -70,8 +92,36 @@ IDE_MIX = Mix("ide", (
     RequestClass("chat", 0.20, (128, 1024), (32, 256)),
     RequestClass("analysis", 0.10, (2048, 6144), (128, 256)),
 ))
+SHAPES = ("independent", "chat-sessions", "repeated-context")
+# Multi-turn chat: shares are of conversations' turns (for largest_of_each_class); the schedule draws turns.
+CHAT_SESSIONS = Mix("chat-sessions", (
+    RequestClass("first-turn", 0.3, (64, 512), (32, 128)),
+    RequestClass("next-turn", 0.7, (16, 128), (32, 128)),
+), shape="chat-sessions")
+# Repeated-context completion: the class's prompt range is the changed tail's; the context comes first.
+REPEATED_CONTEXT = Mix("repeated-context", (RequestClass("edit", 1.0, (16, 64), (16, 64)),),
+                       shape="repeated-context")
+BUILT_IN = {m.name: m for m in (IDE_MIX, CHAT_SESSIONS, REPEATED_CONTEXT)}
 
-_MIX_KEYS = {"name", "classes"}
+
+def mix_named(name: str | None) -> Mix:
+    """A built-in workload by name (ide, chat-sessions, repeated-context), else a mix YAML file; None: the IDE mix."""
+    if name is None:
+        return IDE_MIX
+    return BUILT_IN[name] if name in BUILT_IN else load_mix(name)
+
+
+def longest_prompt(mix: Mix) -> int:
+    """The longest prompt + output a request of this workload can need."""
+    if mix.shape == "repeated-context":
+        return mix.context_tokens[1] + max(c.max_request_tokens for c in mix.classes)
+    if mix.shape == "chat-sessions":
+        first, nxt = mix.by_name("first-turn"), mix.by_name("next-turn")
+        turns = mix.turns[1]
+        return first.max_request_tokens + (turns - 1) * nxt.max_request_tokens
+    return max(c.max_request_tokens for c in mix.classes)
+
+_MIX_KEYS = {"name", "classes", "shape", "think_s", "turns", "contexts", "context_tokens"}
 _CLASS_KEYS = {"name", "share", "prompt", "output"}
 
 
@@ -98,7 +148,21 @@ def mix_from_dict(data: object, where: str = "mix") -> Mix:
         raise WorkloadError(f"{where}: classes: names must be unique, got {names}")
     total = sum(c.share for c in classes)
     classes = [RequestClass(c.name, c.share / total, c.prompt, c.output) for c in classes]
-    return Mix(str(data.get("name", Path(where).stem)), tuple(classes))
+    shape = data.get("shape", "independent")
+    if shape not in SHAPES:
+        raise WorkloadError(f"{where}: shape: {shape!r} is not allowed; expected one of {', '.join(SHAPES)}")
+    if shape == "chat-sessions" and sorted(names) != ["first-turn", "next-turn"]:
+        raise WorkloadError(f"{where}: shape chat-sessions needs exactly the classes first-turn and next-turn; "
+                            f"got {names}")
+    think = data.get("think_s", 2.0)
+    if isinstance(think, bool) or not isinstance(think, (int, float)) or not think >= 0:
+        raise WorkloadError(f"{where}: think_s: {think!r} is not allowed; expected seconds >= 0")
+    contexts = data.get("contexts", 4)
+    if isinstance(contexts, bool) or not isinstance(contexts, int) or contexts < 1:
+        raise WorkloadError(f"{where}: contexts: {contexts!r} is not allowed; expected an integer >= 1")
+    return Mix(str(data.get("name", Path(where).stem)), tuple(classes), shape, float(think),
+               _range(data.get("turns", [2, 5]), f"{where}: turns", 1), contexts,
+               _range(data.get("context_tokens", [1024, 4096]), f"{where}: context_tokens", 1))
 
 
 def _class_from_dict(item: object, where: str) -> RequestClass:
@@ -144,6 +208,10 @@ def poisson_schedule(mix: Mix, rate: float, seed: int, *, duration_s: float | No
         raise WorkloadError(f"rate: {rate!r} is not allowed; expected requests per second > 0")
     if (duration_s is None) == (num_requests is None):
         raise WorkloadError("give exactly one of a duration and a request count")
+    if mix.shape == "chat-sessions":
+        return _chat_sessions(mix, rate, seed, duration_s, num_requests)
+    if mix.shape == "repeated-context":
+        return _repeated_context(mix, rate, seed, duration_s, num_requests)
     rng = random.Random(seed)
     weights = [c.share for c in mix.classes]
     arrivals: list[Arrival] = []
@@ -159,10 +227,63 @@ def poisson_schedule(mix: Mix, rate: float, seed: int, *, duration_s: float | No
     return tuple(arrivals)
 
 
+def _chat_sessions(mix: Mix, rate: float, seed: int, duration_s: float | None,
+                   num_requests: int | None) -> tuple[Arrival, ...]:
+    """Conversations starting at Poisson times (at rate / mean turns, so turns arrive at about `rate`), every turn
+    with its whole history; a later turn's offset is nominal (the driver sends it `think_s` after the turn before
+    it ends). Sessions are numbered from seed * 100_000, so schedules of different seeds never share one."""
+    rng = random.Random(seed)
+    first, nxt = mix.by_name("first-turn"), mix.by_name("next-turn")
+    mean_turns = (mix.turns[0] + mix.turns[1]) / 2
+    arrivals: list[Arrival] = []
+    t, session = 0.0, seed * 100_000
+    while True:
+        t += rng.expovariate(rate / mean_turns)
+        if duration_s is not None and t >= duration_s:
+            break
+        if num_requests is not None and len(arrivals) >= num_requests:
+            break
+        history = 0
+        for turn in range(rng.randint(*mix.turns)):
+            cls = first if turn == 0 else nxt
+            message, output = draw_lengths(cls, rng)
+            arrivals.append(Arrival(t + turn * mix.think_s, cls.name, history + message, output, session=session,
+                                    turn=turn, message_tokens=message))
+            history += message + output
+        session += 1
+    if num_requests is not None:
+        arrivals = arrivals[:num_requests]
+    return tuple(sorted(arrivals, key=lambda a: (a.offset_s, a.session, a.turn)))
+
+
+def _repeated_context(mix: Mix, rate: float, seed: int, duration_s: float | None,
+                      num_requests: int | None) -> tuple[Arrival, ...]:
+    """Poisson arrivals, each one of `contexts` fixed contexts (drawn lengths, ids from the seed) and a tail."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(*mix.context_tokens) for _ in range(mix.contexts)]
+    (cls,) = mix.classes
+    arrivals: list[Arrival] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if duration_s is not None and t >= duration_s:
+            break
+        if num_requests is not None and len(arrivals) >= num_requests:
+            break
+        k = rng.randrange(mix.contexts)
+        tail, output = draw_lengths(cls, rng)
+        arrivals.append(Arrival(t, cls.name, lengths[k] + tail, output, context=k, context_tokens=lengths[k],
+                                context_seed=seed * 1_000 + k))
+    return tuple(arrivals)
+
+
 def largest_of_each_class(mix: Mix, gap_s: float = 1.0) -> tuple[Arrival, ...]:
     """One request of each class at its longest prompt and output, the longest first, `gap_s` apart from 0: a
     warm-up that opens with these has made the server handle the largest request the mix can send (the first
     such request sizes buffers that stay: the tokenizer's, gRPC's, the step's), whatever its Poisson draw gives."""
+    if mix.shape != "independent":  # the longest request the workload can send, as a plain prompt
+        (longest,) = sorted(mix.classes, key=lambda c: -c.output[1])[:1]
+        return (Arrival(0.0, longest.name, longest_prompt(mix) - longest.output[1], longest.output[1]),)
     ordered = sorted(mix.classes, key=lambda c: -c.max_request_tokens)
     return tuple(Arrival(i * gap_s, c.name, c.prompt[1], c.output[1]) for i, c in enumerate(ordered))
 

@@ -46,7 +46,7 @@ from slabserve.tools._driver import DriveOptions, RunResult, Target, run_schedul
 from slabserve.tools._stats import summarize
 from slabserve.tools._sweep import SweepPlan, step_figures, sweep
 from slabserve.tools._target import TargetError, listening_pid, loopback_target
-from slabserve.tools._workload import IDE_MIX, Arrival, Mix, WorkloadError, load_mix, load_trace, poisson_schedule
+from slabserve.tools._workload import Arrival, Mix, WorkloadError, load_trace, mix_named, poisson_schedule
 
 
 class LoadgenError(RuntimeError):
@@ -138,8 +138,12 @@ def wait_idle(addr: str, timeout_s: float) -> dict | None:
 # ---- one run ------------------------------------------------------------------------------------------------------
 
 def mix_to_dict(mix: Mix) -> dict:
-    return {"name": mix.name, "classes": [{"name": c.name, "share": round(c.share, 6), "prompt": list(c.prompt),
-                                           "output": list(c.output)} for c in mix.classes]}
+    shaped = {} if mix.shape == "independent" else {
+        "shape": mix.shape, "think_s": mix.think_s, "turns": list(mix.turns), "contexts": mix.contexts,
+        "context_tokens": list(mix.context_tokens)}
+    return {"name": mix.name, **shaped,
+            "classes": [{"name": c.name, "share": round(c.share, 6), "prompt": list(c.prompt),
+                         "output": list(c.output)} for c in mix.classes]}
 
 
 def run_document(result: RunResult, meta: dict) -> dict:
@@ -171,6 +175,9 @@ def write_run(document: dict, out_dir: Path, plots: bool, name: str = "loadgen.j
 def execute(target: Target, info: pb.GetModelInfoResponse, arrivals: Sequence[Arrival], window_s: float,
             options: DriveOptions, meta: dict) -> dict:
     check_fits(arrivals, info)
+    if target.protocol != "grpc" and any(a.session >= 0 for a in arrivals):
+        raise LoadgenError("chat-sessions resends each answer's token ids, which only the gRPC API returns: "
+                           "use --protocol grpc")
     result = run_schedule(target, arrivals, window_s, options)
     return run_document(result, dict(meta, server=info_to_dict(info), server_pid=target.server_pid,
                                      seed=options.seed, drain_timeout_s=options.drain_timeout_s))
@@ -178,7 +185,7 @@ def execute(target: Target, info: pb.GetModelInfoResponse, arrivals: Sequence[Ar
 
 def _run_command(args: argparse.Namespace) -> int:
     target, info = _connect(args)
-    mix = load_mix(args.mix) if args.mix else IDE_MIX
+    mix = mix_named(args.mix)
     if args.trace:
         arrivals = load_trace(args.trace, mix, args.seed)
         window_s, schedule = arrivals[-1].offset_s, f"trace {Path(args.trace).name}"
@@ -225,7 +232,7 @@ def _ms(dist: dict | None, key: str) -> str:
 
 def _sweep_command(args: argparse.Namespace) -> int:
     target, info = _connect(args)
-    mix = load_mix(args.mix) if args.mix else IDE_MIX
+    mix = mix_named(args.mix)
     ttft_classes = tuple(c for c in (args.ttft_classes or "").split(",") if c)
     for name in ttft_classes:
         mix.by_name(name)
@@ -307,7 +314,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", help="with --protocol http: file holding the bearer token")
     parser.add_argument("--server-pid", type=int,
                         help="pid whose memory to sample (default: the process listening on the port)")
-    parser.add_argument("--mix", help="workload mix YAML (default: the built-in IDE mix)")
+    parser.add_argument("--mix", help="workload: a mix YAML file, or a built-in one: ide (the default), "
+                                      "chat-sessions (multi-turn chat resending its history), repeated-context "
+                                      "(a few long contexts with changed tails); see tools/_workload.py")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt ids")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="seconds to wait for calls in flight after the last arrival; the rest are cancelled")

@@ -43,14 +43,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from slabserve.runtime.client import serving_status
 from slabserve.tools._driver import DriveOptions
 from slabserve.tools._stats import OK, REJECTED, distribution, in_window
 from slabserve.tools._target import TargetError, loopback_target, resident_bytes
-from slabserve.tools._workload import (IDE_MIX, Arrival, Mix, WorkloadError, largest_of_each_class, load_mix,
+from slabserve.tools._workload import (Arrival, Mix, WorkloadError, largest_of_each_class, mix_named,
                                        poisson_schedule)
 from slabserve.tools.loadgen import LoadgenError, connect, describe, execute, mix_to_dict, wait_idle, write_run
 
@@ -85,9 +85,14 @@ def soak_schedule(mix: Mix, rate: float, seed: int, lead_in_s: float, duration_s
     its steady concurrency before the first tenth starts; it is not judged."""
     tenth = duration_s / 10
     body = poisson_schedule(mix, rate, seed, duration_s=lead_in_s + 9 * tenth)
-    first = [a for a in body if lead_in_s <= a.offset_s < lead_in_s + tenth]
-    replay = [Arrival(a.offset_s + 9 * tenth, a.class_name, a.prompt_tokens, a.output_tokens) for a in first]
-    return body + tuple(replay)
+    # a conversation replays whole when its opening turn was in the first tenth, as a new conversation
+    in_first = [a for a in body if lead_in_s <= a.offset_s < lead_in_s + tenth]
+    opened = {a.session for a in in_first if a.session >= 0 and a.turn == 0}
+    first = [a for a in in_first if a.session < 0] + [a for a in body if a.session in opened]
+    renumber = max((a.session for a in body), default=-1) + 1
+    replay = [replace(a, offset_s=a.offset_s + 9 * tenth, session=a.session + renumber if a.session >= 0 else -1)
+              for a in first]
+    return tuple(sorted(body + tuple(replay), key=lambda a: a.offset_s))
 
 
 def tenth_p99(records: Sequence[dict], start_s: float, duration_s: float, key: str,
@@ -318,7 +323,7 @@ def soak(args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace, setup: Setup, addr: str, server_pid: int | None, out: Path) -> dict:
     """Warm up, take the idle baseline, run, take the idle final figures, judge; writes and prints the report."""
     target, info = connect(addr, server_pid)
-    mix = load_mix(args.mix) if args.mix else IDE_MIX
+    mix = mix_named(args.mix)
 
     def phase(name: str, rate: float, seconds: float, seed: int, arrivals: tuple[Arrival, ...] = ()) -> dict:
         arrivals = arrivals or poisson_schedule(mix, rate, seed, duration_s=seconds)
@@ -404,7 +409,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds of load after the baseline and before the judged --duration, not judged "
                         "(default 60; 10 with --overload, whose queues fill in seconds)")
     p.add_argument("--settle", type=float, default=3.0, help="seconds idle before reading memory")
-    p.add_argument("--mix", help="workload mix YAML (default: the IDE mix)")
+    p.add_argument("--mix", help="workload: a mix YAML file, or ide (the default), chat-sessions or "
+                                 "repeated-context (tools/_workload.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for calls in flight after the last arrival (then cancelled: errors)")
