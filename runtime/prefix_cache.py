@@ -81,27 +81,43 @@ class PrefixIndex:
 
     def longest(self, prompt: Sequence[int], limit: int, eligible: Callable[[Slab], bool]) -> Match:
         """The eligible slab holding the longest prefix of prompt[:limit], and its length (at least one block), or
-        NO_MATCH. Ties go to the slab that holds the fewest other rows (taking it loses the least)."""
+        NO_MATCH. Ties go to the slab that holds the fewest other rows (taking it loses the least).
+
+        The prompt's block hashes are walked down the index while some slab holds them (a dict probe a block);
+        slabs holding block i hold every block before it, so "an eligible slab holds block i" is true up to some
+        depth and false after it, and that depth is found by bisection: O(blocks + holders * log blocks) even when
+        hundreds of slabs share a long system prompt."""
         b = self.block
-        best: list[Slab] = []
-        depth, h = 0, 0
+        chain: list[set[Slab]] = []  # chain[i]: the slabs holding the prompt's first i + 1 blocks
+        h = 0
         for i in range(min(limit, len(prompt)) // b):
             h = hash((h, tuple(prompt[i * b : (i + 1) * b])))
             holders = self._index.get(h)
             if not holders:
                 break
-            ok = [s for s in holders if eligible(s)]
-            if ok:
-                best, depth = ok, (i + 1) * b
-        found = NO_MATCH
-        for slab in best:
+            chain.append(holders)
+
+        def any_eligible(depth: int) -> bool:
+            return any(eligible(s) for s in chain[depth - 1])
+
+        if not chain or not any_eligible(1):
+            return NO_MATCH
+        lo, hi = 1, len(chain)  # any_eligible(lo) holds; find the deepest depth where it does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if any_eligible(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        depth = lo * b
+        ranked = []
+        for slab in (s for s in chain[lo - 1] if eligible(s)):
             tokens = self._tokens[slab]
-            n = depth
-            end = min(limit, len(prompt), len(tokens))
-            while n < end and tokens[n] == prompt[n]:
+            n, end = depth, min(limit, len(prompt), len(tokens))
+            while n < end and tokens[n] == prompt[n]:  # the partial block after the last whole one
                 n += 1
-            if tuple(tokens[:depth]) != tuple(prompt[:depth]):
-                continue  # a hash collision: this slab holds other tokens
-            if n > found.tokens or (n == found.tokens and len(tokens) < self.held(found.slab)):
-                found = Match(slab, n)
-        return found
+            ranked.append((-n, len(tokens), slab.offset, slab))
+        for minus_n, _, _, slab in sorted(ranked):  # the best first; verified, as a hash collision could lie
+            if self._tokens[slab][:depth] == list(prompt[:depth]):
+                return Match(slab, -minus_n)
+        return NO_MATCH

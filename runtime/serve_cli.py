@@ -139,7 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanViolationError as err:
         server.stop()
         raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
-    log.info(json.dumps({"event": "serving", "address": server.address, "gemm": engine.gemm,
+    reuse = ({"prefix_reuse": True, "copy_min_tokens": engine.scheduler.copy_min_tokens,
+              "copy_us_per_row": _us(engine.copy_row_s), "prefill_us_per_token": _us(engine.prefill_token_s),
+              "declared_prefixes": engine.declared}
+             if engine.prefix_reuse_off is None else {"prefix_reuse": False, "why": engine.prefix_reuse_off})
+    log.info(json.dumps({"event": "serving", "address": server.address, "gemm": engine.gemm, **reuse,
                          "startup_s": round(_seconds_since_process_start(), 2)}))
     while not stop.wait(0.5):
         if server.loop.failure is not None:
@@ -153,3 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e6, 2)

@@ -273,3 +273,15 @@ def test_sigterm_drains_http_streams(tmp_path: Path):
         assert '"clean": true' in server.text()
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_usage_reports_prompt_tokens_served_from_retained_kv(served):
+    server, _ = served
+    client = _client(server)
+    prompt = ("Write a short poem about slabs of memory, contiguous and calm, that never fragment and never stall, "
+              "then explain it in one sentence.")
+    first = client.completions.create(model=_model(server), prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model=_model(server), prompt=prompt, max_tokens=4, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1

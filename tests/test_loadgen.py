@@ -540,3 +540,24 @@ def test_chat_sessions_need_the_grpc_api():
     info = pb.GetModelInfoResponse(max_request_tokens=4096)
     with pytest.raises(loadgen.LoadgenError, match="only the gRPC API returns"):
         loadgen.execute(target, info, arrivals, 2.0, DriveOptions(progress=False), {})
+
+
+def test_bench_prefix_runs_both_bundles_in_turn_and_compares(tmp_path, capsys):
+    from _served_process import build_tiny_bundle
+    from slabserve.tools import bench_prefix
+
+    on = build_tiny_bundle(tmp_path / "on")
+    (tmp_path / "off").mkdir()
+    (tmp_path / "off" / "model").symlink_to(on / "model")
+    off = build_tiny_bundle(tmp_path / "off", prefix_reuse=False)
+    mix = tmp_path / "chat.yaml"
+    mix.write_text(json.dumps(CHAT_MIX))
+    out = tmp_path / "bench"
+    assert bench_prefix.main([str(on / "bundle"), str(off / "bundle"), "--mix", str(mix), "--rate", "5",
+                              "--duration", "3", "--out", str(out), "--drain-timeout", "30"]) == 0
+    result = json.loads((out / "compare.json").read_text())
+    rows = result["classes"]
+    assert set(rows) == {"all", "first-turn", "next-turn"}
+    assert rows["next-turn"]["cached_fraction_on"] > 0.5 and rows["first-turn"]["ok"][0] > 0
+    assert rows["all"]["ok"][0] == rows["all"]["requests"][0] and rows["all"]["ok"][1] == rows["all"]["requests"][1]
+    assert "next-turn" in capsys.readouterr().out
