@@ -22,8 +22,8 @@ have used the same slab. Nothing is ever preempted or recomputed: a request keep
 
 Retained prefixes (`prefix_reuse`): a slab keeps the token ids of the KV rows it holds (runtime.prefix_cache) as its
 request runs and after it ends. A request being placed looks its prompt up there: it takes the free slab (of a class
-it fits) that holds the longest prefix of its prompt when taking it loses no other retained block, or has that
-prefix copied into a least recently used free slab (the source running or free, of any class: a `RowCopy` the next
+it fits) that holds the longest prefix of its prompt when the request keeps at least half of what that slab holds,
+or has that prefix copied into a least recently used free slab (the source running or free, of any class: a `RowCopy` the next
 step runs before it computes anything), and its prefill starts after the prefix, always computing at least the last
 prompt token. Without a useful match it takes its class's least recently used free slab, so hot prefixes survive.
 Copies and takes happen at placement only, so ordering is simple: a copy runs before any step that could write its
@@ -477,7 +477,9 @@ class Scheduler:
     def _place(self, seq: _Seq, class_index: int) -> None:
         """Where a request goes when slabs keep their prefixes. Its prompt's longest prefix held by a free slab it
         fits (direct) and by any slab at all (copy source) are looked up; then, in order:
-          1. the direct slab, when taking it loses less than a block of other retained rows;
+          1. the direct slab, when the request keeps at least half of the rows it holds (a conversation's next turn,
+             a file context with another tail: what is lost is the old tail, worth less than the rows kept) and no
+             slab holds a prefix longer by `copy_min_tokens` or more;
           2. a copy of the longest prefix into the least recently used free slab of `class_index`, when it is at
              least `copy_min_tokens` long and no shorter than the direct one (copying keeps the source's rows for
              others: a shared system prompt does not cost a conversation its history);
@@ -489,9 +491,11 @@ class Scheduler:
         direct = prefix.longest(prompt, limit, lambda s: s.class_index >= home and allocator.is_free(s))
         anywhere = prefix.longest(prompt, limit, _anywhere) if self.copy_min_tokens is not None else NO_MATCH
         loses = prefix.held(direct.slab) - direct.tokens if direct.slab is not None else 0
-        if direct.slab is not None and loses < prefix.block:
+        copy = anywhere.slab is not None and anywhere.tokens >= max(self.copy_min_tokens, direct.tokens)
+        if direct.slab is not None and loses <= direct.tokens and not (
+                copy and anywhere.tokens >= direct.tokens + self.copy_min_tokens):
             self._take(seq, direct)
-        elif anywhere.slab is not None and anywhere.tokens >= max(self.copy_min_tokens, direct.tokens):
+        elif copy:
             seq.slab = allocator.allocate_lru(class_index, avoid=anywhere.slab)
             if seq.slab == anywhere.slab:  # the source is the only free slab that fits: take it as it is
                 allocator.free(seq.slab)

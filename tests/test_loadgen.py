@@ -561,3 +561,12 @@ def test_bench_prefix_runs_both_bundles_in_turn_and_compares(tmp_path, capsys):
     assert rows["next-turn"]["cached_fraction_on"] > 0.5 and rows["first-turn"]["ok"][0] > 0
     assert rows["all"]["ok"][0] == rows["all"]["requests"][0] and rows["all"]["ok"][1] == rows["all"]["requests"][1]
     assert "next-turn" in capsys.readouterr().out
+
+
+def test_repeated_contexts_are_the_workloads_own_whatever_the_run_seed():
+    mix = mix_from_dict(CONTEXT_MIX)
+    one, two = (poisson_schedule(mix, 5.0, seed, duration_s=20) for seed in (1, 2))
+    assert {(a.context_seed, a.context_tokens) for a in one} == {(a.context_seed, a.context_tokens) for a in two}
+    other = mix_from_dict(dict(CONTEXT_MIX, context_seed=9))
+    assert {a.context_seed for a in poisson_schedule(other, 5.0, 1, duration_s=20)}.isdisjoint(
+        {a.context_seed for a in one})

@@ -127,19 +127,35 @@ def test_identical_prompt_recomputes_only_its_last_token():
 
 
 def test_a_shared_system_prompt_is_copied_so_the_conversation_holding_it_keeps_its_history():
-    s = _sched()
+    s = _sched(classes=((128, 3), (256, 2)))
     arena = Arena(s)
     system = list(range(500, 532))  # two blocks
-    arena.submit("c1", system + list(range(1, 20)), max_tokens=8)
+    arena.submit("c1", system + list(range(1, 60)), max_tokens=8)  # its history outweighs the shared part
     arena.drain()
     c1_slab_tokens = len(arena.tokens["c1"]) - 1
-    arena.submit("c2", system + list(range(60, 70)), max_tokens=4)
+    arena.submit("c2", system + list(range(200, 210)), max_tokens=4)
     step = arena.step()
     assert [c.rows for c in step.copies] == [32] and arena.cached["c2"] == 32
     arena.drain()
     arena.submit("c1-turn2", arena.tokens["c1"] + [3, 3, 3], max_tokens=2)
     arena.drain()
     assert arena.cached["c1-turn2"] == c1_slab_tokens, "c2 took c1's slab instead of copying its prefix"
+
+
+def test_a_context_with_another_tail_takes_the_slab_holding_it_and_keeps_the_other_contexts():
+    s = _sched(classes=((128, 2),))
+    arena = Arena(s)
+    contexts = {name: list(range(base, base + 80)) for name, base in (("a", 1000), ("b", 2000))}
+    for name, context in contexts.items():
+        arena.submit(f"{name}-1", context + [1, 2, 3], max_tokens=4)
+        arena.drain()
+    arena.submit("a-2", contexts["a"] + [9, 9], max_tokens=4)
+    step = arena.step()
+    assert not step.copies and arena.cached["a-2"] == 80  # took a's slab; losing its old tail, not context b
+    arena.drain()
+    arena.submit("b-2", contexts["b"] + [8], max_tokens=4)
+    arena.step()
+    assert arena.cached["b-2"] == 80
 
 
 def test_a_prefix_held_by_a_running_request_is_copied_and_the_runner_never_notices():

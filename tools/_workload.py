@@ -20,8 +20,10 @@ real traffic does (name them with `--mix`, or add `shape:` and its parameters to
                     new message, `think_s` seconds after the answer before it ended. Classes: `first-turn` (the
                     opening message, 64-512 tokens) and `next-turn` (16-128 new tokens); answers of 32-128 tokens.
                     The rate counts requests (turns): conversations start at rate / 3.5.
-  repeated-context  completions over a few long file contexts: `contexts` contexts of 1,024-4,096 tokens (fixed
-                    for a run), each request one of them with a changed tail of 16-64 tokens, answers of 16-64.
+  repeated-context  completions over a few long file contexts: `contexts` contexts of 1,024-4,096 tokens, each
+                    request one of them with a changed tail of 16-64 tokens, answers of 16-64. The contexts are
+                    the workload's own (drawn from `context_seed`, not from a run's seed), so every step of a
+                    sweep and every phase of a soak sends the same files, as one team's IDEs do all day.
 
 A trace file (`--trace FILE`) is CSV with a header or JSON
 lines, one arrival each: `offset_s` and `class` (a class of the mix), and optionally `prompt_tokens` and
@@ -63,6 +65,7 @@ class Mix:
     turns: tuple[int, int] = (2, 5)  # chat-sessions: turns per conversation, inclusive
     contexts: int = 4            # repeated-context: distinct contexts in a run
     context_tokens: tuple[int, int] = (1024, 4096)  # repeated-context: their lengths
+    context_seed: int = 0        # repeated-context: the contexts' lengths and token ids come from this seed
 
     def by_name(self, name: str) -> RequestClass:
         for c in self.classes:
@@ -121,7 +124,7 @@ def longest_prompt(mix: Mix) -> int:
         return first.max_request_tokens + (turns - 1) * nxt.max_request_tokens
     return max(c.max_request_tokens for c in mix.classes)
 
-_MIX_KEYS = {"name", "classes", "shape", "think_s", "turns", "contexts", "context_tokens"}
+_MIX_KEYS = {"name", "classes", "shape", "think_s", "turns", "contexts", "context_tokens", "context_seed"}
 _CLASS_KEYS = {"name", "share", "prompt", "output"}
 
 
@@ -160,9 +163,12 @@ def mix_from_dict(data: object, where: str = "mix") -> Mix:
     contexts = data.get("contexts", 4)
     if isinstance(contexts, bool) or not isinstance(contexts, int) or contexts < 1:
         raise WorkloadError(f"{where}: contexts: {contexts!r} is not allowed; expected an integer >= 1")
+    context_seed = data.get("context_seed", 0)
+    if isinstance(context_seed, bool) or not isinstance(context_seed, int):
+        raise WorkloadError(f"{where}: context_seed: {context_seed!r} is not allowed; expected an integer")
     return Mix(str(data.get("name", Path(where).stem)), tuple(classes), shape, float(think),
                _range(data.get("turns", [2, 5]), f"{where}: turns", 1), contexts,
-               _range(data.get("context_tokens", [1024, 4096]), f"{where}: context_tokens", 1))
+               _range(data.get("context_tokens", [1024, 4096]), f"{where}: context_tokens", 1), context_seed)
 
 
 def _class_from_dict(item: object, where: str) -> RequestClass:
@@ -258,9 +264,11 @@ def _chat_sessions(mix: Mix, rate: float, seed: int, duration_s: float | None,
 
 def _repeated_context(mix: Mix, rate: float, seed: int, duration_s: float | None,
                       num_requests: int | None) -> tuple[Arrival, ...]:
-    """Poisson arrivals, each one of `contexts` fixed contexts (drawn lengths, ids from the seed) and a tail."""
+    """Poisson arrivals, each one of the workload's `contexts` contexts (lengths and ids from its context_seed,
+    whatever the run's seed) and a tail."""
+    shared = random.Random(mix.context_seed)
+    lengths = [shared.randint(*mix.context_tokens) for _ in range(mix.contexts)]
     rng = random.Random(seed)
-    lengths = [rng.randint(*mix.context_tokens) for _ in range(mix.contexts)]
     (cls,) = mix.classes
     arrivals: list[Arrival] = []
     t = 0.0
@@ -273,7 +281,7 @@ def _repeated_context(mix: Mix, rate: float, seed: int, duration_s: float | None
         k = rng.randrange(mix.contexts)
         tail, output = draw_lengths(cls, rng)
         arrivals.append(Arrival(t, cls.name, lengths[k] + tail, output, context=k, context_tokens=lengths[k],
-                                context_seed=seed * 1_000 + k))
+                                context_seed=mix.context_seed * 1_000 + k))
     return tuple(arrivals)
 
 

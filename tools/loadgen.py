@@ -140,7 +140,7 @@ def wait_idle(addr: str, timeout_s: float) -> dict | None:
 def mix_to_dict(mix: Mix) -> dict:
     shaped = {} if mix.shape == "independent" else {
         "shape": mix.shape, "think_s": mix.think_s, "turns": list(mix.turns), "contexts": mix.contexts,
-        "context_tokens": list(mix.context_tokens)}
+        "context_tokens": list(mix.context_tokens), "context_seed": mix.context_seed}
     return {"name": mix.name, **shaped,
             "classes": [{"name": c.name, "share": round(c.share, 6), "prompt": list(c.prompt),
                          "output": list(c.output)} for c in mix.classes]}
