@@ -90,7 +90,8 @@ def _finish(finished: pb.GenerationFinished) -> None:
     sys.stdout.write("\n")
     sys.stdout.flush()
     t, u = finished.timings, finished.usage
-    print(f"[finish: {_REASONS.get(finished.reason, finished.reason)}; prompt {u.prompt_tokens} tokens, "
+    cached = f" ({u.cached_tokens} from retained KV)" if u.cached_tokens else ""
+    print(f"[finish: {_REASONS.get(finished.reason, finished.reason)}; prompt {u.prompt_tokens} tokens{cached}, "
           f"completion {u.completion_tokens} tokens; queue {t.queue_seconds * 1000:.0f} ms, "
           f"time to first token {t.time_to_first_token_seconds * 1000:.0f} ms, "
           f"{t.time_per_output_token_seconds * 1000:.1f} ms per token after it]", file=sys.stderr)

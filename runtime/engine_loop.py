@@ -102,10 +102,11 @@ class EngineLoop:
             raise copy.copy(full)
         deadline = None
         if home is not None and prompt_ids:
+            prefill = len(prompt_ids) - self.engine.scheduler.expected_cached(prompt_ids)  # what reuse leaves
             with self._admission_lock:
-                if self._admission is not None:  # or DelayBoundError:
-                    deadline = self._admission.admit(len(prompt_ids), home, time.monotonic(), first_token_by)
-                    self._unsubmitted[engine_id] = (len(prompt_ids), deadline)
+                if self._admission is not None:  # or DelayBoundError
+                    deadline = self._admission.admit(prefill, home, time.monotonic(), first_token_by)
+                    self._unsubmitted[engine_id] = (prefill, deadline)
         sink = sink if sink is not None else queue.SimpleQueue()
 
         def submit() -> None:

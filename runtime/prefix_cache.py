@@ -79,6 +79,19 @@ class PrefixIndex:
         self.truncate(slab, 0)
         self.extend(slab, token_ids)
 
+    def estimate(self, prompt: Sequence[int], limit: int) -> int:
+        """Tokens of prompt[:limit] some slab holds, to the block: the prefill a placement will most likely skip,
+        for admission by latency. It only reads (dict lookups and the truthiness of a set, each atomic under the
+        GIL), so the server's gRPC threads may call it while the engine thread updates the index; the slab may be
+        taken before the request is placed, which is why it is an estimate."""
+        b, h, held = self.block, 0, 0
+        for i in range(min(limit, len(prompt)) // b):
+            h = hash((h, tuple(prompt[i * b : (i + 1) * b])))
+            if not self._index.get(h):
+                break
+            held = (i + 1) * b
+        return held
+
     def longest(self, prompt: Sequence[int], limit: int, eligible: Callable[[Slab], bool]) -> Match:
         """The eligible slab holding the longest prefix of prompt[:limit], and its length (at least one block), or
         NO_MATCH. Ties go to the slab that holds the fewest other rows (taking it loses the least).

@@ -258,8 +258,7 @@ class Scheduler:
         target = self.allocator.smallest_free_class(home) if self.num_running < self.max_seqs else None
         if target is None and len(self._queues[home]) >= self.queue_limit:
             raise self._queue_full(home)
-        if self.prefix is not None:  # what its prefill will likely skip, for admission by latency until placed
-            seq.cached = self.prefix.longest(request.prompt_ids, seq.num_prompt - 1, _anywhere).tokens
+        seq.cached = self.expected_cached(request.prompt_ids)  # for admission by latency until it is placed
         if request.deadline is not None:
             seq.deadline = request.deadline
         elif self.max_queue_delay_s is not None:
@@ -381,6 +380,11 @@ class Scheduler:
                              self.buckets, self.step_times.snapshot(), self.oldest_prefill_share,
                              [self._slab_wait_s(h) for h in range(len(self._queues))],
                              self._next_seq_no + len(unsubmitted))
+
+    def expected_cached(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens a placement will most likely find in a slab (0 with reuse off). Safe to call from other
+        threads (PrefixIndex.estimate): the server's admission by latency counts only the prefill left."""
+        return 0 if self.prefix is None else self.prefix.estimate(prompt_ids, len(prompt_ids) - 1)
 
     def declare_prefix(self, first_row: int, token_ids: Sequence[int]) -> None:
         """Rows first_row .. first_row + len(token_ids) - 1 of the arena (outside every slab class) hold these

@@ -145,6 +145,30 @@ def test_scheduler_measures_steps_and_refuses_then_admits_as_the_backlog_drains(
     s.submit(_req("b", 210))  # the work ahead has drained
 
 
+def test_admission_counts_only_the_prefill_that_retained_prefixes_leave():
+    """A 300-token prompt whose first 288 tokens a slab holds costs one step, not ten: admitted where the same
+    prompt without reuse, behind 6 s of shorter prompts, is refused; the estimate the server's gRPC threads use
+    agrees."""
+    def run(reuse: bool) -> Scheduler:
+        clock = _Clock()
+        s = _sched(clock, prefix_reuse=reuse, copy_min_tokens=16 if reuse else None)
+        s.submit(_req("first", 300))
+        while s.has_work():
+            step = s.schedule()
+            clock.now += 0.25  # 0.25 s a 32-token step
+            s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
+        for rid in ("busy1", "busy2", "busy3"):  # 24 steps (6 s) of shorter prompts' prefill ahead
+            s.submit(Request(rid, tuple(range(1000, 1250)), 4, deadline=clock.now + 100))  # admitted by callers
+        return s
+
+    with pytest.raises(DelayBoundError):
+        run(False).submit(_req("again", 300))
+    s = run(True)
+    assert s.expected_cached(tuple(range(1, 301))) == 288
+    s.submit(_req("again", 300))
+    assert s._live["again"].cached >= 288
+
+
 def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
     clock = _Clock()
     s = _sched(clock)
