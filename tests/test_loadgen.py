@@ -501,13 +501,18 @@ def test_chat_sessions_resend_their_history_and_repeated_contexts_share_their_st
     assert set(by_session.values()) == {1}  # replayed conversations are new ones
 
 
+def _shaped_run(server, tmp_path, mix: dict, rate: float, seconds: float) -> dict:
+    """loadgen run of the mix `mix` against `server`; its loadgen.json."""
+    path = tmp_path / f"{mix['name']}.yaml"
+    path.write_text(json.dumps(mix))
+    out = tmp_path / mix["name"]
+    assert loadgen.main(["run", "--addr", server.address, "--rate", str(rate), "--duration", str(seconds), "--mix",
+                         str(path), "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    return json.loads((out / "loadgen.json").read_text())
+
+
 def test_a_chat_sessions_run_sends_each_turn_after_the_last_answer_with_it(tiny_server, tmp_path):
-    mix = tmp_path / "chat.yaml"
-    mix.write_text(json.dumps(CHAT_MIX))
-    out = tmp_path / "chat"
-    assert loadgen.main(["run", "--addr", tiny_server.address, "--rate", "6", "--duration", "3", "--mix", str(mix),
-                         "--out", str(out), "--no-progress", "--no-plots"]) == 0
-    doc = json.loads((out / "loadgen.json").read_text())
+    doc = _shaped_run(tiny_server, tmp_path, CHAT_MIX, 6, 3)
     arrivals = poisson_schedule(mix_from_dict(CHAT_MIX), 6, 0, duration_s=3)
     records = doc["records"]
     assert all(r["status"] == "OK" for r in records)
@@ -523,12 +528,7 @@ def test_a_chat_sessions_run_sends_each_turn_after_the_last_answer_with_it(tiny_
 
 
 def test_a_repeated_context_run_reuses_the_contexts(tiny_server, tmp_path):
-    mix = tmp_path / "context.yaml"
-    mix.write_text(json.dumps(CONTEXT_MIX))
-    out = tmp_path / "context"
-    assert loadgen.main(["run", "--addr", tiny_server.address, "--rate", "8", "--duration", "2", "--mix", str(mix),
-                         "--out", str(out), "--no-progress", "--no-plots"]) == 0
-    doc = json.loads((out / "loadgen.json").read_text())
+    doc = _shaped_run(tiny_server, tmp_path, CONTEXT_MIX, 8, 2)
     assert all(r["status"] == "OK" for r in doc["records"])
     assert doc["summary"]["overall"]["cached_fraction"] > 0.5
 

@@ -226,14 +226,20 @@ def test_random_traffic_with_shared_prefixes_every_row_right_and_every_slab_free
     assert s.prefix_hit_tokens > 0
 
 
-def test_an_abort_before_the_copy_runs_leaves_the_slab_holding_nothing():
+def _copy_pending() -> tuple[Scheduler, Arena]:
+    """"dst" placed with a copy of 40 rows out of the running "src", not yet run by any step."""
     s = _sched()
     arena = Arena(s)
     arena.submit("src", list(range(40)) + [1], max_tokens=30)
     for _ in range(3):
         arena.step()
     arena.submit("dst", list(range(40)) + [2], max_tokens=3)
-    assert s._copies
+    assert [seq.request.request_id for seq in s._copies] == ["dst"]
+    return s, arena
+
+
+def test_an_abort_before_the_copy_runs_leaves_the_slab_holding_nothing():
+    s, arena = _copy_pending()
     s.abort("dst")
     assert not s._copies
     step = arena.step()
@@ -243,12 +249,7 @@ def test_an_abort_before_the_copy_runs_leaves_the_slab_holding_nothing():
 
 
 def test_a_discarded_step_that_carried_a_copy_prefills_that_prompt_from_its_first_token():
-    s = _sched()
-    arena = Arena(s)
-    arena.submit("src", list(range(40)) + [1], max_tokens=30)
-    for _ in range(3):
-        arena.step()
-    arena.submit("dst", list(range(40)) + [2], max_tokens=3)
+    s, arena = _copy_pending()
     step = s.schedule()
     assert step.copies
     s.discard_step(step)  # the engine failed before (or while) running it

@@ -34,6 +34,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,16 +222,21 @@ def poisson_schedule(mix: Mix, rate: float, seed: int, *, duration_s: float | No
     rng = random.Random(seed)
     weights = [c.share for c in mix.classes]
     arrivals: list[Arrival] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if duration_s is not None and t >= duration_s:
-            break
-        if num_requests is not None and len(arrivals) >= num_requests:
-            break
+    for t in _poisson_times(rng, rate, duration_s, num_requests, arrivals):
         cls = rng.choices(mix.classes, weights)[0]
         arrivals.append(Arrival(t, cls.name, *draw_lengths(cls, rng)))
     return tuple(arrivals)
+
+
+def _poisson_times(rng: random.Random, rate: float, duration_s: float | None, num_requests: int | None,
+                   made: list) -> Iterator[float]:
+    """Poisson event times at `rate`, until `duration_s` or until `made` holds `num_requests` arrivals."""
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if (duration_s is not None and t >= duration_s) or (num_requests is not None and len(made) >= num_requests):
+            return
+        yield t
 
 
 def _chat_sessions(mix: Mix, rate: float, seed: int, duration_s: float | None,
@@ -242,13 +248,8 @@ def _chat_sessions(mix: Mix, rate: float, seed: int, duration_s: float | None,
     first, nxt = mix.by_name("first-turn"), mix.by_name("next-turn")
     mean_turns = (mix.turns[0] + mix.turns[1]) / 2
     arrivals: list[Arrival] = []
-    t, session = 0.0, seed * 100_000
-    while True:
-        t += rng.expovariate(rate / mean_turns)
-        if duration_s is not None and t >= duration_s:
-            break
-        if num_requests is not None and len(arrivals) >= num_requests:
-            break
+    session = seed * 100_000
+    for t in _poisson_times(rng, rate / mean_turns, duration_s, num_requests, arrivals):
         history = 0
         for turn in range(rng.randint(*mix.turns)):
             cls = first if turn == 0 else nxt
@@ -271,13 +272,7 @@ def _repeated_context(mix: Mix, rate: float, seed: int, duration_s: float | None
     rng = random.Random(seed)
     (cls,) = mix.classes
     arrivals: list[Arrival] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if duration_s is not None and t >= duration_s:
-            break
-        if num_requests is not None and len(arrivals) >= num_requests:
-            break
+    for t in _poisson_times(rng, rate, duration_s, num_requests, arrivals):
         k = rng.randrange(mix.contexts)
         tail, output = draw_lengths(cls, rng)
         arrivals.append(Arrival(t, cls.name, lengths[k] + tail, output, context=k, context_tokens=lengths[k],

@@ -55,6 +55,14 @@ def run_side(bundle: str, out: Path, args: argparse.Namespace, start: float | No
         print(f"bench_prefix: server for {bundle} stopped (exit {stop_server(process)})", file=sys.stderr)
 
 
+def _earlier(out: Path, args: argparse.Namespace) -> dict:
+    """A side run before into the same --out (when --sides leaves it out)."""
+    path = out / ("sweep.json" if args.sweep else "loadgen.json")
+    if not path.is_file():
+        raise LoadgenError(f"--sides leaves a side out, but {path} holds no earlier result of it")
+    return json.loads(path.read_text())
+
+
 def _p(dist: dict | None, key: str) -> float | None:
     return None if dist is None else dist[key]
 
@@ -113,11 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drain-timeout", type=float, default=120.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--out", default="build/bench-prefix")
+    p.add_argument("--sides", default="on,off",
+                   help="which bundles to run now (on, off or both); a side left out is read from --out")
     args = p.parse_args(argv)
     out = Path(args.out)
     try:
-        on = run_side(args.on, out / "on", args)
-        off = run_side(args.off, out / "off", args, args.off_start)
+        on = run_side(args.on, out / "on", args) if "on" in args.sides else _earlier(out / "on", args)
+        off = run_side(args.off, out / "off", args, args.off_start) if "off" in args.sides else \
+            _earlier(out / "off", args)
     except (LoadgenError, OSError, ValueError) as err:
         print(f"bench_prefix: {err}", file=sys.stderr)
         return 2
