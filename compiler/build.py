@@ -196,6 +196,11 @@ def declared_prefixes(spec: Spec, model: ModelInputs) -> tuple[tuple[str, tuple[
     prompt: text as a text prompt is, messages rendered with the chat template without the generation prompt."""
     if not spec.prefixes:
         return ()
+    gemm = choose_gemm(spec)
+    if spec.target.device != "cpu" or gemm != "native":
+        raise BuildError(f"{spec.source}: prefixes: declared prefixes are served by exact prefix reuse, which needs "
+                         f"the native CPU kernels (gemm native on a cpu target); this plan is {spec.target.device} "
+                         f"with gemm {gemm}: remove `prefixes` (its rows would never be used)")
     from slabserve.runtime.tokenizer import Tokenizer  # the compiler needs it only here
 
     path = model.resolved.path

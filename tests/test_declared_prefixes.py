@@ -88,3 +88,11 @@ def test_served_prefixes_are_copied_and_change_no_token(bundles):
     finally:
         on.stop()
         off.stop()
+
+
+def test_declared_prefixes_on_a_plan_without_exact_reuse_are_refused_at_build(tmp_path):
+    from slabserve.compiler.build import BuildError
+
+    with pytest.raises(BuildError, match=r"prefixes: declared prefixes are served by exact prefix reuse, which needs "
+                                         r"the native CPU kernels .* gemm aten: remove `prefixes`"):
+        build_tiny_bundle(tmp_path, gemm="aten", prefixes=[{"name": "sys", "text": SYSTEM}])
