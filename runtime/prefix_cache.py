@@ -8,17 +8,24 @@ walks the prompt's own block hashes down that map, so it costs O(prompt / BLOCK_
 the slabs hold; the last partial block is then compared token by token in the best slabs, and a match is verified
 against the slab's token ids before it is used (a hash collision costs a lookup, never a wrong row).
 
+Like the arenas, the index is sized once: every slab is registered at construction (a declared prefix at start-up),
+with preallocated arrays for its token ids and block hashes, and the holders of a hash are chained through
+preallocated per-block links. What grows while serving is the hash -> first holder map, bounded by the arena's
+blocks, so a server's memory after hours of reuse is what it was once every slab had been used.
+
 Keeping the index true is the scheduler's job (runtime/scheduler.py): `extend` after a step has written rows,
 `truncate` when a slab goes to a new request that keeps only its first rows, `assign` when rows are copied in.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from slabserve.runtime.slab_allocator import Slab
 
 BLOCK_TOKENS = 16
+_NONE = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,48 +38,73 @@ NO_MATCH = Match(None, 0)
 
 
 class PrefixIndex:
-    """Token ids of the KV rows each slab holds, and their block hashes. One owner (the scheduler) calls it."""
+    """Token ids of the KV rows each registered slab holds, and their block hashes. One owner (the scheduler)
+    changes it; `estimate` may be called from other threads."""
 
-    def __init__(self, block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, slabs: Iterable[Slab] = (), block_tokens: int = BLOCK_TOKENS):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.block = block_tokens
-        self._tokens: dict[Slab, list[int]] = {}
-        self._hashes: dict[Slab, list[int]] = {}
-        self._index: dict[int, set[Slab]] = {}
+        self._ids: dict[Slab, int] = {}
+        self._slabs: list[Slab] = []
+        self._tokens: list[array] = []     # per slab: its rows' token ids (int64, slab.tokens long)
+        self._hashes: list[array] = []     # per slab: the chained hash of each full block held
+        self._held = array("q")            # per slab: rows holding known tokens
+        self._first = array("q")           # per slab: its first block's entry (entries number every block)
+        self._owner = array("q")           # per entry: its slab
+        self._next = array("q")            # per entry: the next entry holding the same hash, or _NONE
+        self._prev = array("q")            # per entry: the one before it, or _NONE (then it is the head)
+        self._heads: dict[int, int] = {}   # block hash -> the first entry holding it
+        for slab in slabs:
+            self.register(slab)
 
-    def held(self, slab: Slab) -> int:
+    def register(self, slab: Slab) -> None:
+        """Make room for `slab` (its arrays, sized by its rows); it holds nothing yet."""
+        if slab in self._ids:
+            raise ValueError(f"{slab} is registered already")
+        blocks = slab.tokens // self.block
+        self._ids[slab] = len(self._slabs)
+        self._slabs.append(slab)
+        self._tokens.append(array("q", bytes(8 * slab.tokens)))
+        self._hashes.append(array("q", bytes(8 * blocks)))
+        self._held.append(0)
+        self._first.append(len(self._owner))
+        self._owner.extend([len(self._slabs) - 1] * blocks)
+        self._next.extend([_NONE] * blocks)
+        self._prev.extend([_NONE] * blocks)
+
+    def held(self, slab: Slab | None) -> int:
         """Rows of `slab` holding known tokens (its rows 0 .. held-1)."""
-        return len(self._tokens.get(slab, ()))
+        return 0 if slab is None else self._held[self._ids[slab]]
 
     def tokens(self, slab: Slab) -> tuple[int, ...]:
-        return tuple(self._tokens.get(slab, ()))
+        i = self._ids[slab]
+        return tuple(self._tokens[i][: self._held[i]])
 
-    def extend(self, slab: Slab, token_ids: Iterable[int]) -> None:
+    def extend(self, slab: Slab, token_ids: Sequence[int]) -> None:
         """Rows held .. held + len(token_ids) - 1 of `slab` now hold these tokens."""
-        tokens = self._tokens.setdefault(slab, [])
-        hashes = self._hashes.setdefault(slab, [])
-        tokens.extend(token_ids)
-        b = self.block
-        while (len(hashes) + 1) * b <= len(tokens):
-            i = len(hashes)
-            h = hash((hashes[-1] if hashes else 0, tuple(tokens[i * b : (i + 1) * b])))
-            hashes.append(h)
-            self._index.setdefault(h, set()).add(slab)
+        i = self._ids[slab]
+        start, tokens, b = self._held[i], self._tokens[i], self.block
+        end = start + len(token_ids)
+        if end > len(tokens):
+            raise ValueError(f"{slab}: {end} rows would pass its {len(tokens)}")
+        tokens[start:end] = array("q", token_ids)
+        self._held[i] = end
+        for j in range(start // b, end // b):  # the blocks this completes
+            h = hash((self._hashes[i][j - 1] if j else 0, tuple(tokens[j * b : (j + 1) * b])))
+            self._hashes[i][j] = h
+            self._link(self._first[i] + j, h)
 
     def truncate(self, slab: Slab, keep: int) -> None:
         """Only rows 0 .. keep-1 of `slab` still hold what the index says (its new owner rewrites the rest)."""
-        tokens = self._tokens.get(slab)
-        if tokens is None or len(tokens) <= keep:
+        i = self._ids[slab]
+        held = self._held[i]
+        if held <= keep:
             return
-        del tokens[keep:]
-        hashes = self._hashes[slab]
-        while len(hashes) * self.block > keep:
-            h = hashes.pop()
-            holders = self._index[h]
-            holders.discard(slab)
-            if not holders:
-                del self._index[h]
+        b = self.block
+        for j in range(held // b - 1, keep // b - 1, -1):  # the whole blocks that go
+            self._unlink(self._first[i] + j, self._hashes[i][j])
+        self._held[i] = keep
 
     def assign(self, slab: Slab, token_ids: Sequence[int]) -> None:
         """`slab` now holds exactly `token_ids` (rows copied in from another slab)."""
@@ -81,15 +113,14 @@ class PrefixIndex:
 
     def estimate(self, prompt: Sequence[int], limit: int) -> int:
         """Tokens of prompt[:limit] some slab holds, to the block: the prefill a placement will most likely skip,
-        for admission by latency. It only reads (dict lookups and the truthiness of a set, each atomic under the
-        GIL), so the server's gRPC threads may call it while the engine thread updates the index; the slab may be
-        taken before the request is placed, which is why it is an estimate."""
-        b, h, held = self.block, 0, 0
-        for i in range(min(limit, len(prompt)) // b):
-            h = hash((h, tuple(prompt[i * b : (i + 1) * b])))
-            if not self._index.get(h):
+        for admission by latency. It only reads the hash map (lookups, each atomic under the GIL), so the server's
+        gRPC threads may call it while the engine thread updates the index; the slab may be taken before the
+        request is placed, which is why it is an estimate."""
+        held = 0
+        for depth, h in enumerate(self._prompt_hashes(prompt, limit), start=1):
+            if self._heads.get(h) is None:
                 break
-            held = (i + 1) * b
+            held = depth * self.block
         return held
 
     def longest(self, prompt: Sequence[int], limit: int, eligible: Callable[[Slab], bool]) -> Match:
@@ -101,17 +132,14 @@ class PrefixIndex:
         depth and false after it, and that depth is found by bisection: O(blocks + holders * log blocks) even when
         hundreds of slabs share a long system prompt."""
         b = self.block
-        chain: list[set[Slab]] = []  # chain[i]: the slabs holding the prompt's first i + 1 blocks
-        h = 0
-        for i in range(min(limit, len(prompt)) // b):
-            h = hash((h, tuple(prompt[i * b : (i + 1) * b])))
-            holders = self._index.get(h)
-            if not holders:
+        chain: list[int] = []  # chain[d - 1]: the hash of the prompt's first d blocks, while some slab holds it
+        for h in self._prompt_hashes(prompt, limit):
+            if h not in self._heads:
                 break
-            chain.append(holders)
+            chain.append(h)
 
         def any_eligible(depth: int) -> bool:
-            return any(eligible(s) for s in chain[depth - 1])
+            return any(eligible(s) for s in self._holders(chain[depth - 1]))
 
         if not chain or not any_eligible(1):
             return NO_MATCH
@@ -124,13 +152,48 @@ class PrefixIndex:
                 hi = mid - 1
         depth = lo * b
         ranked = []
-        for slab in (s for s in chain[lo - 1] if eligible(s)):
-            tokens = self._tokens[slab]
-            n, end = depth, min(limit, len(prompt), len(tokens))
+        for slab in (s for s in self._holders(chain[lo - 1]) if eligible(s)):
+            i = self._ids[slab]
+            tokens = self._tokens[i]
+            n, end = depth, min(limit, len(prompt), self._held[i])
             while n < end and tokens[n] == prompt[n]:  # the partial block after the last whole one
                 n += 1
-            ranked.append((-n, len(tokens), slab.offset, slab))
+            ranked.append((-n, self._held[i], slab.offset, slab))
         for minus_n, _, _, slab in sorted(ranked):  # the best first; verified, as a hash collision could lie
-            if self._tokens[slab][:depth] == list(prompt[:depth]):
+            if self._tokens[self._ids[slab]][:depth].tolist() == list(prompt[:depth]):
                 return Match(slab, -minus_n)
         return NO_MATCH
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _prompt_hashes(self, prompt: Sequence[int], limit: int) -> Iterator[int]:
+        """The chained hashes of the prompt's whole blocks within prompt[:limit]."""
+        b, h = self.block, 0
+        for j in range(min(limit, len(prompt)) // b):
+            h = hash((h, tuple(prompt[j * b : (j + 1) * b])))
+            yield h
+
+    def _holders(self, h: int) -> Iterator[Slab]:
+        e = self._heads.get(h, _NONE)
+        while e != _NONE:
+            yield self._slabs[self._owner[e]]
+            e = self._next[e]
+
+    def _link(self, e: int, h: int) -> None:
+        head = self._heads.get(h, _NONE)
+        self._next[e], self._prev[e] = head, _NONE
+        if head != _NONE:
+            self._prev[head] = e
+        self._heads[h] = e
+
+    def _unlink(self, e: int, h: int) -> None:
+        nxt, prev = self._next[e], self._prev[e]
+        if prev != _NONE:
+            self._next[prev] = nxt
+        elif nxt != _NONE:
+            self._heads[h] = nxt
+        else:
+            del self._heads[h]
+        if nxt != _NONE:
+            self._prev[nxt] = prev
+        self._next[e] = self._prev[e] = _NONE

@@ -224,7 +224,7 @@ class Scheduler:
         self.max_queue_delay_s = max_queue_delay_s
         self.step_times = StepTimes(self.buckets)  # measured by schedule() .. complete_step()
         self._step_started = 0.0
-        self.prefix = PrefixIndex(prefix_block) if prefix_reuse else None
+        self.prefix = PrefixIndex(self.allocator.slabs(), prefix_block) if prefix_reuse else None
         self.copy_min_tokens = copy_min_tokens
         self._copies: list[_Seq] = []     # placed with a copy that no scheduled step has run yet
         self.prefix_hit_tokens = 0       # prompt tokens served from retained KV, over every placed request
@@ -391,7 +391,9 @@ class Scheduler:
         tokens' KV for good: a declared prefix, which placement copies from and never hands out."""
         if self.prefix is None:
             raise RuntimeError("declare_prefix: prefix reuse is off")
-        self.prefix.extend(Slab(DECLARED, first_row, len(token_ids)), token_ids)
+        slab = Slab(DECLARED, first_row, len(token_ids))
+        self.prefix.register(slab)
+        self.prefix.extend(slab, token_ids)
 
     def forget_free_prefixes(self) -> None:
         """Free slabs hold nothing known any more (the engine's warm-up wrote into them)."""

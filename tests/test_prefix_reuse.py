@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from slabserve.runtime.prefix_cache import PrefixIndex
+from slabserve.runtime.prefix_cache import Match, PrefixIndex
 from slabserve.runtime.scheduler import Request, ScheduledStep, Scheduler
 from slabserve.runtime.slab_allocator import Slab, SlabClass
 
@@ -77,8 +77,8 @@ class Arena:
 # ---- the index ----------------------------------------------------------------------------------------------------
 
 def test_index_finds_the_longest_block_prefix_then_the_tail_and_forgets_truncated_rows():
-    index = PrefixIndex(block_tokens=4)
     a, b = Slab(0, 0, 64), Slab(0, 64, 64)
+    index = PrefixIndex([a, b], block_tokens=4)
     index.extend(a, range(10))            # 0..9
     index.extend(b, [0, 1, 2, 3, 9, 9])   # shares one block with a
     prompt = list(range(12))
@@ -93,13 +93,34 @@ def test_index_finds_the_longest_block_prefix_then_the_tail_and_forgets_truncate
     assert index.tokens(b) == tuple(range(8)) and index.longest(prompt, 11, lambda s: s == b).tokens == 8
 
 
-def test_index_never_trusts_a_hash_without_the_tokens(monkeypatch):
-    index = PrefixIndex(block_tokens=2)
+def test_index_never_trusts_a_hash_without_the_tokens():
     a = Slab(0, 0, 16)
+    index = PrefixIndex([a], block_tokens=2)
     index.extend(a, [1, 2, 3, 4])
-    # a prompt whose first block hashes like a's (as a collision would) is verified against a's tokens
-    index._index[hash((0, (7, 7)))] = {a}
+    # a prompt whose first block hashes like a's first block (as a collision would) is verified against a's tokens
+    index._heads[hash((0, (7, 7)))] = index._heads[hash((0, (1, 2)))]
     assert index.longest([7, 7, 7, 7, 7], 4, lambda s: True).slab is None
+    assert index.longest([1, 2, 3, 4, 5], 4, lambda s: True).tokens == 4
+
+
+def test_index_chains_many_holders_and_unlinks_them_in_any_order():
+    slabs = [Slab(0, 32 * k, 32) for k in range(6)]
+    index = PrefixIndex(slabs, block_tokens=4)
+    shared = list(range(100, 112))
+    for k, slab in enumerate(slabs):
+        index.extend(slab, shared + [k] * 8)
+    assert {s for s in index._holders(hash((0, (100, 101, 102, 103))))} == set(slabs)
+    for k in (3, 0, 5):  # head, middle and tail of the chain go
+        index.truncate(slabs[k], 2)
+    left = [slabs[k] for k in (1, 2, 4)]
+    assert set(index._holders(hash((0, (100, 101, 102, 103))))) == set(left)
+    assert index.longest(shared + [4] * 8 + [0], 20, lambda s: True) == Match(slabs[4], 20)
+    assert index.estimate(shared + [9], 13) == 12
+    for slab in left:
+        index.truncate(slab, 0)
+    assert not index._heads and index.estimate(shared, 12) == 0
+    with pytest.raises(ValueError, match="pass its 32"):
+        index.extend(slabs[0], list(range(40)))
 
 
 # ---- placement ----------------------------------------------------------------------------------------------------
