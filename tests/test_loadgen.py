@@ -542,7 +542,7 @@ def test_chat_sessions_need_the_grpc_api():
         loadgen.execute(target, info, arrivals, 2.0, DriveOptions(progress=False), {})
 
 
-def test_bench_prefix_runs_both_bundles_in_turn_and_compares(tmp_path, capsys):
+def test_bench_prefix_runs_both_bundles_in_turn_and_compares(tmp_path, capsys, monkeypatch):
     from _served_process import build_tiny_bundle
     from slabserve.tools import bench_prefix
 
@@ -553,6 +553,7 @@ def test_bench_prefix_runs_both_bundles_in_turn_and_compares(tmp_path, capsys):
     mix = tmp_path / "chat.yaml"
     mix.write_text(json.dumps(CHAT_MIX))
     out = tmp_path / "bench"
+    monkeypatch.chdir(on)  # the plans name their model relative to the folder they were built in, as served
     assert bench_prefix.main([str(on / "bundle"), str(off / "bundle"), "--mix", str(mix), "--rate", "5",
                               "--duration", "3", "--out", str(out), "--drain-timeout", "30"]) == 0
     result = json.loads((out / "compare.json").read_text())
