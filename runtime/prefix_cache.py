@@ -127,39 +127,47 @@ class PrefixIndex:
         """The eligible slab holding the longest prefix of prompt[:limit], and its length (at least one block), or
         NO_MATCH. Ties go to the slab that holds the fewest other rows (taking it loses the least).
 
-        The prompt's block hashes are walked down the index while some slab holds them (a dict probe a block);
-        slabs holding block i hold every block before it, so "an eligible slab holds block i" is true up to some
-        depth and false after it, and that depth is found by bisection: O(blocks + holders * log blocks) even when
-        hundreds of slabs share a long system prompt."""
+        The prompt's block hashes are walked down the index while some slab holds them (a dict probe a block).
+        When an eligible slab holds the deepest of them, those are the candidates; else the eligible slabs among
+        the holders of the first block are. Each holds the prompt's
+        first d blocks for d up to some depth and none past it (its hashes chain), and that depth is found by
+        bisection over its own hash array (integer compares): O(blocks + holders + candidates * log blocks) even
+        when hundreds of slabs share a long system prompt."""
         b = self.block
         chain: list[int] = []  # chain[d - 1]: the hash of the prompt's first d blocks, while some slab holds it
         for h in self._prompt_hashes(prompt, limit):
             if h not in self._heads:
                 break
             chain.append(h)
-
-        def any_eligible(depth: int) -> bool:
-            return any(eligible(s) for s in self._holders(chain[depth - 1]))
-
-        if not chain or not any_eligible(1):
+        if not chain:
             return NO_MATCH
-        lo, hi = 1, len(chain)  # any_eligible(lo) holds; find the deepest depth where it does
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if any_eligible(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        depth = lo * b
-        ranked = []
-        for slab in (s for s in self._holders(chain[lo - 1]) if eligible(s)):
+        ranked = [(len(chain), self._ids[s], s) for s in self._holders(chain[-1]) if eligible(s)]
+        for slab in () if ranked else self._holders(chain[0]):  # the deepest holders first: often the answer
+            if not eligible(slab):
+                continue
             i = self._ids[slab]
+            hashes = self._hashes[i]
+            lo, hi = 1, min(len(chain), self._held[i] // b)  # it holds block 1; find its deepest held block
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if hashes[mid - 1] == chain[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            ranked.append((lo, i, slab))
+        if not ranked:
+            return NO_MATCH
+        blocks = max(r[0] for r in ranked)
+        depth, best = blocks * b, []
+        for d, i, slab in ranked:
+            if d != blocks:
+                continue
             tokens = self._tokens[i]
             n, end = depth, min(limit, len(prompt), self._held[i])
             while n < end and tokens[n] == prompt[n]:  # the partial block after the last whole one
                 n += 1
-            ranked.append((-n, self._held[i], slab.offset, slab))
-        for minus_n, _, _, slab in sorted(ranked):  # the best first; verified, as a hash collision could lie
+            best.append((-n, self._held[i], slab.offset, slab))
+        for minus_n, _, _, slab in sorted(best):  # the best first; verified, as a hash collision could lie
             if self._tokens[self._ids[slab]][:depth].tolist() == list(prompt[:depth]):
                 return Match(slab, -minus_n)
         return NO_MATCH

@@ -155,7 +155,8 @@ class SlabAllocator:
         if not 0 <= ci < len(self.classes):
             raise ValueError(f"{slab} names no class of this allocator ({len(self.classes)} classes)")
         k, rem = divmod(slab.offset - self._bases[ci], self.classes[ci].tokens)
-        if rem or not 0 <= k < self.classes[ci].count or self._slabs[ci][k] != slab:
+        if rem or not 0 <= k < self.classes[ci].count or (self._slabs[ci][k] is not slab
+                                                           and self._slabs[ci][k] != slab):
             raise ValueError(f"{slab} is not a slab of this allocator")
         return k
 
