@@ -571,3 +571,20 @@ def test_repeated_contexts_are_the_workloads_own_whatever_the_run_seed():
     other = mix_from_dict(dict(CONTEXT_MIX, context_seed=9))
     assert {a.context_seed for a in poisson_schedule(other, 5.0, 1, duration_s=20)}.isdisjoint(
         {a.context_seed for a in one})
+
+
+def test_bench_served_times_the_engine_and_the_served_streams_of_one_bundle(tmp_path, capsys, monkeypatch):
+    from _served_process import build_tiny_bundle
+    from slabserve.tools import bench_served
+
+    root = build_tiny_bundle(tmp_path)
+    monkeypatch.chdir(root)  # the plan names its model relative to the folder it was built in
+    out = tmp_path / "served.json"
+    assert bench_served.main(["bundle", "--streams", "1", "3", "--tokens", "12", "--prompt", "8", "--repeats", "1",
+                              "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["streams"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["engine_step_ms"] > 0 and r["served_ms_per_token"] > 0 and r["served_tok_s"] > 0
+        assert r["ratio"] == pytest.approx(r["served_ms_per_token"] / r["engine_step_ms"])
+    assert "served/engine" in capsys.readouterr().out
