@@ -32,7 +32,8 @@ from slabserve.runtime import plan as P
 from slabserve.runtime.config import ModelConfig, ModelLoadError
 from slabserve.runtime.devices import GPU_KINDS
 from slabserve.runtime.loader import open_config, open_model
-from slabserve.runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, default_gemm, weight_layout
+from slabserve.kernels import cpu_native
+from slabserve.runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, default_gemm, weight_blocks, weight_layout
 from slabserve.runtime.step import logits_rows
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -54,6 +55,7 @@ class ModelInputs:
     resolved: ResolvedModel
     config: ModelConfig
     weights_hash: str | None
+    tensor_types: dict[str, str] | None = None  # a GGUF file's block type of each tensor (HF names)
 
 
 def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
@@ -64,12 +66,14 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     # 2) weights, with a rope table for max_context positions until the slabs are known (then: the largest slab,
     #    as runtime.engine builds it; never more bytes, so the KV budget planned below still holds)
     gemm = choose_gemm(spec)
-    weights = weight_arena(config, spec.dtype, spec.max_context, gemm)
+    weight_format, blocks, format_note = choose_weight_format(spec, model, gemm)
+    weights = weight_arena(config, spec.dtype, spec.max_context, gemm, blocks)
     # 3) activations: the largest bucket traced on meta weights sizes the arena (the KV rows are not known yet)
     dtype = TORCH_DTYPES[spec.dtype]
     kv_dtype = TORCH_DTYPES[spec.kv_dtype]
     sizing = trace_buckets(config, dtype, spec.buckets[-1:], spec.max_seqs, kv_rows=spec.max_context,
-                           rope_positions=spec.max_context, device=spec.target.device, gemm=gemm, kv_dtype=kv_dtype)
+                           rope_positions=spec.max_context, device=spec.target.device, gemm=gemm, kv_dtype=kv_dtype,
+                           blocks=blocks)
     activation_bytes = shared_arena_bytes(sizing)
     # 4) staging
     staging = staging_buffers(spec, config)
@@ -85,7 +89,7 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
         rope_positions = slabs.max_request_tokens
         traced = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows,
                                rope_positions=rope_positions, device=spec.target.device, gemm=gemm,
-                               kv_dtype=kv_dtype)
+                               kv_dtype=kv_dtype, blocks=blocks)
         _check_same_activations(sizing, traced[-1:], spec.target.device)
         activations = activation_arena(traced)
         if activations.arena_bytes <= activation_bytes:
@@ -97,14 +101,15 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
                              f"{slabs.max_request_tokens}: a request starting with it could never fit; shorten it by "
                              f"{len(ids) - slabs.max_request_tokens + 1} tokens or plan larger slabs")
     # 6) totals
-    weights = weight_arena(config, spec.dtype, rope_positions, gemm)
+    weights = weight_arena(config, spec.dtype, rope_positions, gemm, blocks)
     totals = _totals(spec, weights.arena_bytes, kv.arena_bytes, activations.arena_bytes, staging.total_bytes)
     if not totals.fits:
         raise fit.FitError(fit.report(spec, totals, slabs))
     plan = P.Plan(
         schema=P.SCHEMA, version=P.SCHEMA_VERSION, name=spec.name, servable=spec.servable,
         spec=spec_to_dict(spec), fingerprints=fingerprints(spec, config, model.weights_hash),
-        engine=engine_section(spec, model.resolved, base, rope_positions, gemm), model=model_summary(config),
+        engine=engine_section(spec, model.resolved, base, rope_positions, gemm, weight_format, format_note),
+        model=model_summary(config),
         target=P.TargetSection(spec.target.device, spec.target.gpu, spec.target.memory_bytes,
                                spec.target.reserve_bytes, requirements(spec, totals)),
         weights=weights, kv=kv, activations=activations, staging=staging, totals=totals,
@@ -127,7 +132,8 @@ def load_model(spec: Spec, base: Path) -> ModelInputs:
                              f"folder, or set model.weights: none to plan from the config alone")
         source = open_model(resolved.path)
         source.check_shapes()
-        return ModelInputs(resolved, source.config, source.content_hash())
+        types = source.tensor_types() if source.format == "gguf" else None
+        return ModelInputs(resolved, source.config, source.content_hash(), types)
     except ModelLoadError as err:
         raise BuildError(f"{spec.source}: the model cannot be read: {err}") from None
 
@@ -176,8 +182,38 @@ def choose_gemm(spec: Spec) -> str:
     return default_gemm(spec.target.device, TORCH_DTYPES[spec.dtype])
 
 
+def choose_weight_format(spec: Spec, model: ModelInputs, gemm: str) -> tuple[str, dict[str, str] | None, str | None]:
+    """(weight format, block type of each quantized tensor or None, why `auto` chose float or None). `auto` keeps a
+    quantized GGUF's blocks where the native CPU kernels multiply them (float32 on cpu with gemm native); an
+    explicit gguf or q8_0 that cannot be served is refused, naming the key and what is allowed."""
+    want = spec.weight_format
+    if want == "float":
+        return "float", None, None
+    why = None
+    if want != "q8_0" and model.tensor_types is None:
+        why = ("the model is not a GGUF file (or is planned from its config alone), so it has no blocks of its own "
+               "to keep; weight_format: q8_0 quantizes it at load")
+    elif want == "auto" and all(model.tensor_types.get(n) in (None, "F32", "F16", "BF16")
+                                for n in model.tensor_types):
+        why = "the GGUF file holds no quantized tensors (F32/F16/BF16 only)"
+    elif spec.target.device != "cpu" or spec.dtype != "float32" or gemm != "native":
+        why = (f"GGUF blocks are multiplied by the native CPU kernels (float32 on a cpu target with gemm native); "
+               f"this plan is {spec.target.device} {spec.dtype} with gemm {gemm}")
+        if spec.target.device == "cpu" and spec.dtype == "float32" and not cpu_native.available():
+            why += f" because {cpu_native.unavailable_reason()}"
+    if why is None:
+        fmt = "gguf" if want == "auto" else want
+        try:
+            return fmt, weight_blocks(model.config, fmt, model.tensor_types), None
+        except ValueError as err:
+            why = str(err)
+    if want == "auto":
+        return "float", None, f"weight_format auto chose float: {why}"
+    raise BuildError(f"{spec.source}: weight_format: {want} cannot be served: {why}; allowed here: float")
+
+
 def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positions: int,
-                   gemm: str) -> P.EngineSection:
+                   gemm: str, weight_format: str = "float", format_note: str | None = None) -> P.EngineSection:
     path = resolved.path if spec.model.servable else (resolved.config or resolved.path)
     try:
         shown = str(Path(path).resolve().relative_to(base.resolve()))
@@ -188,7 +224,7 @@ def engine_section(spec: Spec, resolved: ResolvedModel, base: Path, rope_positio
         model_package=spec.model.package, model_file=spec.model.file, dtype=spec.dtype, kv_dtype=spec.kv_dtype,
         device=spec.target.device, max_seqs=spec.max_seqs, step_tokens=spec.step_tokens, buckets=spec.buckets,
         queue_limit=spec.queue_limit, rope_positions=rope_positions, max_queue_delay_ms=spec.max_queue_delay_ms,
-        gemm=gemm, prefix_reuse=spec.prefix_reuse)
+        gemm=gemm, prefix_reuse=spec.prefix_reuse, weight_format=weight_format, weight_format_note=format_note)
 
 
 def declared_prefixes(spec: Spec, model: ModelInputs) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -236,12 +272,14 @@ def declared_prefixes(spec: Spec, model: ModelInputs) -> tuple[tuple[str, tuple[
 # 2) Weights
 
 
-def weight_arena(config: ModelConfig, dtype: str, rope_positions: int, gemm: str) -> P.WeightArena:
-    """The runtime's weight layout (runtime.model.weight_layout) for the matmul path `gemm`: the packed weights in
-    pack order, then the (P, D) float32 rope table, each aligned to WEIGHT_ALIGNMENT."""
-    slots, arena_bytes = weight_layout(config, TORCH_DTYPES[dtype], rope_positions, gemm)
+def weight_arena(config: ModelConfig, dtype: str, rope_positions: int, gemm: str,
+                 blocks: dict[str, str] | None = None) -> P.WeightArena:
+    """The runtime's weight layout (runtime.model.weight_layout) for the matmul path `gemm` (or the GGUF blocks
+    `blocks` names): the packed weights in pack order, then the (P, D) float32 rope table, each aligned to
+    WEIGHT_ALIGNMENT. Block entries record their block type (the plan's weight manifest)."""
+    slots, arena_bytes = weight_layout(config, TORCH_DTYPES[dtype], rope_positions, gemm, blocks)
     entries = tuple(P.WeightEntry(name=s.name, shape=s.shape, dtype=DTYPE_NAMES[s.dtype], offset=s.offset,
-                                  nbytes=s.nbytes) for s in slots)
+                                  nbytes=s.nbytes, block_type=s.block_type) for s in slots)
     parameter_bytes = sum(e.nbytes for e in entries if e.name != "rope_cos_sin")
     return P.WeightArena(alignment=WEIGHT_ALIGNMENT, arena_bytes=arena_bytes, parameter_bytes=parameter_bytes,
                          entries=entries)

@@ -33,6 +33,12 @@ The shape of a spec (`?` marks an optional key; its default follows `=`):
     gemm?: auto | aten | native = auto # the matmul path and weight layout (runtime/model.py): native is the
                                        # panel-packed fp32 CPU kernel (kernels/cpu_native.c); auto takes it for
                                        # float32 on cpu when this machine can build and run it, else aten
+    weight_format?: auto | float | gguf | q8_0 = auto   # the weight arena (kernels/quant.py): float dequantizes
+                                       # every tensor to dtype at load; gguf keeps a GGUF file's own blocks (Q4_0,
+                                       # Q4_1, Q8_0, Q4_K, Q6_K, F16, BF16, F32) and q8_0 quantizes every projection
+                                       # and the embedding to Q8_0 at load (any model), both multiplied by the native
+                                       # CPU kernels with float32 activations; auto takes gguf for a quantized GGUF
+                                       # on a float32 cpu plan with gemm native, else float (the reason printed)
     max_context: 8192                  # longest prompt + output of one request
     prefix_reuse?: true                # slabs keep their KV for later prompts that start the same way
                                        # (runtime/prefix_cache.py); outputs are the same either way
@@ -73,6 +79,7 @@ from slabserve.runtime.units import format_bytes, parse_bytes
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 DEVICES = ("cpu", "cuda")
 WEIGHTS_MODES = ("load", "none")
+WEIGHT_FORMAT_CHOICES = ("auto", "float", "gguf", "q8_0")  # kernels.quant.WEIGHT_FORMATS, or auto
 GEMM_CHOICES = ("auto", "aten", "native")  # runtime.plan.GEMMS, or auto
 # Device memory as `nvidia-smi --query-gpu=memory.total` reports it (MiB), in bytes. The CUDA context and the
 # driver's own reservations come out of it: that is what `target.reserve` is for.
@@ -193,6 +200,7 @@ class Spec:
     queue_limit: int = DEFAULT_QUEUE_LIMIT  # waiting requests per slab class
     max_queue_delay_ms: int | None = None   # admission by latency; None: off
     gemm: str = "auto"                      # "auto", "aten" or "native" (runtime.plan.GEMMS)
+    weight_format: str = "auto"             # "auto", "float", "gguf" or "q8_0" (kernels.quant.WEIGHT_FORMATS)
     prefix_reuse: bool = True               # retained prefixes (runtime.prefix_cache)
     prefixes: tuple[PrefixSpec, ...] = ()   # declared prefixes, prefilled at start-up
     source: str = field(default="<spec>", compare=False)  # where the spec came from, for messages only
@@ -349,7 +357,7 @@ def _show(value: object) -> str:
 
 
 _TOP_KEYS = ("name", "model", "target", "dtype", "kv_dtype", "max_seqs", "step_tokens", "buckets", "queue_limit",
-             "max_queue_delay_ms", "gemm", "max_context", "kv", "prefix_reuse", "prefixes")
+             "max_queue_delay_ms", "gemm", "weight_format", "max_context", "kv", "prefix_reuse", "prefixes")
 
 _TOP_REQUIRED = ("name", "model", "target", "max_seqs", "step_tokens", "max_context", "kv")
 
@@ -381,6 +389,11 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
     if gemm == "native" and (target.device != "cpu" or dtype != "float32"):
         raise _Invalid(f"gemm: native is the float32 CPU kernel; this spec targets {target.device} with dtype "
                        f"{dtype}: use gemm: aten or auto")
+    weight_format = _choice(top.get("weight_format", "auto"), "weight_format", WEIGHT_FORMAT_CHOICES)
+    if weight_format in ("gguf", "q8_0") and (target.device != "cpu" or dtype != "float32" or gemm == "aten"):
+        raise _Invalid(f"weight_format: {weight_format} is multiplied by the native float32 CPU kernels; this spec "
+                       f"targets {target.device} with dtype {dtype} and gemm {gemm}: use weight_format: float or auto"
+                       f"{' (and gemm: native or auto)' if gemm == 'aten' else ''}")
     max_context = _int(top["max_context"], "max_context")
     prefix_reuse = top.get("prefix_reuse", True)
     if not isinstance(prefix_reuse, bool):
@@ -402,6 +415,7 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         queue_limit=queue_limit,
         max_queue_delay_ms=delay,
         gemm=gemm,
+        weight_format=weight_format,
         prefix_reuse=prefix_reuse,
         prefixes=prefixes,
         source=source,
@@ -763,6 +777,7 @@ def spec_to_dict(spec: Spec) -> dict[str, Any]:
         "queue_limit": spec.queue_limit,
         "max_queue_delay_ms": spec.max_queue_delay_ms,
         "gemm": spec.gemm,
+        "weight_format": spec.weight_format,
         "max_context": spec.max_context,
         "kv": _kv_to_dict(spec.kv),
         "prefix_reuse": spec.prefix_reuse,

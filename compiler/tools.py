@@ -35,6 +35,9 @@ def summary(plan: P.Plan, plan_id: str) -> str:
                  f"{format_bytes(naive)}")
     lines += ["", f"  {'slab class':<14}{'count':>7}{'row offset':>13}{'share of mix':>15}"]
     lines += [f"  {c.tokens:>8} tok  {c.count:>7}{c.row_offset:>13}{c.share:>15.3f}" for c in kv.classes]
+    lines += ["", f"  weights: {weight_format_line(plan)}"]
+    if plan.engine.weight_format_note:
+        lines.append(f"    ({plan.engine.weight_format_note})")
     lines += ["", f"  prefix reuse: {'on' if plan.engine.prefix_reuse else 'off'}"
                   + (f"; {len(kv.prefixes)} declared prefix(es), prefilled at start-up:" if kv.prefixes else "")]
     lines += [f"    {p.name:<24}{len(p.token_ids):>7} tok  row {p.row_offset:>9}  {format_bytes(p.kv_bytes):>12}"
@@ -47,6 +50,20 @@ def summary(plan: P.Plan, plan_id: str) -> str:
     for b in cap.baselines:
         lines.append(f"  baseline {b.name:<18} concurrency {b.concurrency:>5}, utilization {b.utilization:.1%}")
     return "\n".join(lines)
+
+
+def weight_format_line(plan: P.Plan) -> str:
+    """The weight arena's format, and for GGUF blocks the bytes held in each block type."""
+    e = plan.engine
+    if e.weight_format == "float":
+        return f"{e.dtype}, dequantized at load (gemm {e.gemm})"
+    by_type: dict[str, int] = {}
+    for entry in plan.weights.entries:
+        key = entry.block_type or entry.dtype
+        by_type[key] = by_type.get(key, 0) + entry.nbytes
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
+    how = "the GGUF file's own blocks" if e.weight_format == "gguf" else "quantized to Q8_0 at load"
+    return f"{e.weight_format}: {how} ({parts})"
 
 
 def inspect(plan: P.Plan, plan_id: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from slabserve.runtime.config import ModelConfig
-from slabserve.runtime.model import LlamaStep, packed_shapes
+from slabserve.runtime.model import LlamaStep, empty_packed
 from slabserve.runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
 
 
@@ -46,18 +46,18 @@ class TracedBucket:
 
 def trace_buckets(config: ModelConfig, dtype: torch.dtype, buckets: Sequence[int], max_seqs: int, *,
                   kv_rows: int, rope_positions: int, device: str, gemm: str = "aten",
-                  kv_dtype: torch.dtype | None = None) -> list[TracedBucket]:
-    """`kv_dtype`: the KV caches' dtype (the plan's kv_dtype; default `dtype`)."""
+                  kv_dtype: torch.dtype | None = None, blocks: dict[str, str] | None = None) -> list[TracedBucket]:
+    """`kv_dtype`: the KV caches' dtype (the plan's kv_dtype; default `dtype`); `blocks`: the block types of a
+    quantized weight format (runtime.model.weight_blocks)."""
     kv_dtype = kv_dtype or dtype
     if device != "cpu":
-        step = meta_step(config, dtype, rope_positions, gemm)
+        step = meta_step(config, dtype, rope_positions, gemm, blocks)
         return [trace_bucket(step, tokens, max_seqs, kv_rows, kv_dtype) for tokens in buckets]
     # torch.export's own fake-tensor machinery; a private module, but the one export itself runs on
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config, gemm).items()}
-        step = LlamaStep(config, packed, rope_positions, gemm=gemm)
+        step = LlamaStep(config, empty_packed(config, dtype, gemm, blocks), rope_positions, gemm=gemm, blocks=blocks)
         return [trace_bucket(step, tokens, max_seqs, kv_rows, kv_dtype) for tokens in buckets]
 
 

@@ -202,3 +202,50 @@ def check_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: 
         _expect_activation(op, "residual", residual, 2, torch.float32)
         _expect_shape(op, "residual", residual, (num_tokens, n))
     _expect_same_device(op, x=x, w=w, out=out, residual=residual)
+
+
+
+def _block_rows(op: str, ggml_id: int, k: int) -> int:
+    """Bytes of one row of k weights of GGML type `ggml_id`, or a ValueError naming the op."""
+    from slabserve.kernels import quant
+
+    try:
+        t = quant.by_id(ggml_id)
+    except ValueError as exc:
+        _fail(op, str(exc))
+    if not quant.fits(t.name, k):
+        _fail(op, f"rows of {k} weights do not split into whole {t.name} blocks of {t.block_size} (or exceed "
+                  f"{quant.MAX_K})")
+    return t.row_bytes(k)
+
+
+def check_linear_q(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
+                   qtype: int) -> None:
+    """x (M, K) fp32, w (N, row_bytes) uint8 rows of GGUF blocks of type `qtype` (kernels.quant), out (M, N) fp32
+    whose rows may be a column slice of a wider tensor (stride(1) 1), residual like out."""
+    op = "linear_q"
+    _expect_activation(op, "x", x, 2, torch.float32)
+    _expect_activation(op, "out", out, 2, torch.float32)
+    num_tokens, k = x.shape
+    n = out.shape[1]
+    _expect_shape(op, "out", out, (num_tokens, n))
+    _expect_shape(op, "w", w, (n, _block_rows(op, qtype, k)))
+    _expect_dtype(op, "w", w, (torch.uint8,))
+    _expect_contiguous(op, "w", w)
+    if residual is not None:
+        _expect_activation(op, "residual", residual, 2, torch.float32)
+        _expect_shape(op, "residual", residual, (num_tokens, n))
+    _expect_same_device(op, x=x, w=w, out=out, residual=residual)
+
+
+def check_embed_q(ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype: int) -> None:
+    """ids (T,) int64, w (V, row_bytes) uint8 rows of GGUF blocks of type `qtype`, out (T, K) fp32."""
+    op = "embed_q"
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        _fail(op, f"ids must be (T,) int64, got {tuple(ids.shape)} {ids.dtype}")
+    _expect_activation(op, "out", out, 2, torch.float32)
+    _expect_shape(op, "out", out, (ids.shape[0], out.shape[1]))
+    _expect_shape(op, "w", w, (w.shape[0], _block_rows(op, qtype, out.shape[1])))
+    _expect_dtype(op, "w", w, (torch.uint8,))
+    _expect_contiguous(op, "w", w)
+    _expect_same_device(op, ids=ids, w=w, out=out)

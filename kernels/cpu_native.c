@@ -501,3 +501,299 @@ int slabserve_kv_write_f32(int64_t T, int64_t width, const float *k, int64_t ldk
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------ GGUF blocks
+ *
+ * Weights kept in the GGUF file's own block formats (the plan's `weight_format: gguf`): a (N, K) projection is N rows
+ * of K / block_size blocks each, as the file stores them (row n is output feature n). linear_q computes y (M, N)
+ * = x (M, K) @ W^T (+ residual) with fp32 activations: each task dequantizes a group of rows into fp32 on its stack
+ * (the exact values the `gguf` package's dequantize gives: the same products and sums in fp32, never fused) and
+ * multiplies them by every row of x while they sit in L1/L2, so a prefill chunk dequantizes each row once, not once
+ * per token. Row (i, n) of the result is one 8-lane FMA chain over k in order, summed across lanes the same way,
+ * whatever M is and however the rows are tiled: a token's result never depends on the chunk or batch it sits in. */
+
+enum { WT_F32 = 0, WT_F16 = 1, WT_Q4_0 = 2, WT_Q4_1 = 3, WT_Q8_0 = 8, WT_Q4_K = 12, WT_Q6_K = 14, WT_BF16 = 30 };
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 16 bytes of packed nibbles -> their 32 values in two 16-byte vectors: low nibbles (elements 0..15), high
+ * nibbles (elements 16..31). */
+static inline void nibbles(const uint8_t *qs, __m128i *lo, __m128i *hi) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    *lo = _mm_and_si128(q, mask);
+    *hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+}
+
+/* 16 unsigned bytes -> two vectors of 8 floats (exact). */
+static inline void u8x16_to_f32(__m128i b, __m256 *a, __m256 *c) {
+    *a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    *c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+
+/* One row of K weights of `type` (K a multiple of the type's block size) -> K floats. */
+static void dequant_row(int type, const uint8_t *src, int64_t K, float *dst) {
+    if (type == WT_F32) {
+        memcpy(dst, src, K * sizeof(float));
+    } else if (type == WT_F16) {
+        for (int64_t k = 0; k < K; k += 8)
+            _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * k))));
+    } else if (type == WT_BF16) {
+        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, load_kv8(src, k, KV_BF16));
+    } else if (type == WT_Q8_0) {  /* 34 bytes: d (f16), 32 int8; w = q * d */
+        for (int64_t b = 0; b < K / 32; b++, src += 34, dst += 32) {
+            __m256 d = _mm256_set1_ps(f16_to_f32(src));
+            for (int i = 0; i < 32; i += 8) {
+                __m128i q = _mm_loadl_epi64((const __m128i *)(src + 2 + i));
+                _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+            }
+        }
+    } else if (type == WT_Q4_0) {  /* 18 bytes: d, 16 bytes of nibbles; w = d * (q - 8) */
+        const __m256 eight = _mm256_set1_ps(8.0f);
+        for (int64_t b = 0; b < K / 32; b++, src += 18, dst += 32) {
+            __m256 d = _mm256_set1_ps(f16_to_f32(src)), v[4];
+            __m128i lo, hi;
+            nibbles(src + 2, &lo, &hi);
+            u8x16_to_f32(lo, &v[0], &v[1]);
+            u8x16_to_f32(hi, &v[2], &v[3]);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(d, _mm256_sub_ps(v[i], eight)));
+        }
+    } else if (type == WT_Q4_1) {  /* 20 bytes: d, m, 16 bytes of nibbles; w = d * q + m */
+        for (int64_t b = 0; b < K / 32; b++, src += 20, dst += 32) {
+            __m256 d = _mm256_set1_ps(f16_to_f32(src)), m = _mm256_set1_ps(f16_to_f32(src + 2)), v[4];
+            __m128i lo, hi;
+            nibbles(src + 4, &lo, &hi);
+            u8x16_to_f32(lo, &v[0], &v[1]);
+            u8x16_to_f32(hi, &v[2], &v[3]);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_add_ps(_mm256_mul_ps(d, v[i]), m));
+        }
+    } else if (type == WT_Q4_K) {
+        /* 144 bytes per 256: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of
+         * nibbles: bytes 32j..32j+31 hold sub-block 2j (low nibbles) and 2j+1 (high). w = (d * sc) * q - dmin * m */
+        for (int64_t b = 0; b < K / 256; b++, src += 144, dst += 256) {
+            float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
+            const uint8_t *s = src + 4, *qs = src + 16;
+            for (int j = 0; j < 8; j++) {
+                int sc, mn;
+                if (j < 4) {
+                    sc = s[j] & 0x3F;
+                    mn = s[j + 4] & 0x3F;
+                } else {
+                    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+                    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+                }
+                __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(dmin * (float)mn);
+                const uint8_t *q = qs + 32 * (j / 2);
+                int shift = 4 * (j % 2);
+                for (int i = 0; i < 32; i += 8) {
+                    __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + i));
+                    __m256i v = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes), shift),
+                                                 _mm256_set1_epi32(0x0F));
+                    _mm256_storeu_ps(dst + 32 * j + i, _mm256_sub_ps(_mm256_mul_ps(ds, _mm256_cvtepi32_ps(v)), dm));
+                }
+            }
+        }
+    } else if (type == WT_Q6_K) {
+        /* 210 bytes per 256: ql (128: low 4 bits), qh (64: high 2 bits), 16 int8 scales, d (f16). Element
+         * 128h + 32s + l (h < 2, s < 4, l < 32): low bits in nibble s / 2 of ql[64h + 32(s % 2) + l], high bits
+         * at bit 2s of qh[32h + l]; w = (d * scale[element / 16]) * (q - 32) */
+        for (int64_t b = 0; b < K / 256; b++, src += 210, dst += 256) {
+            const uint8_t *ql = src, *qh = src + 128;
+            const int8_t *sc = (const int8_t *)(src + 192);
+            float d = f16_to_f32(src + 208);
+            const __m256 bias = _mm256_set1_ps(32.0f);
+            for (int h = 0; h < 2; h++)
+                for (int s = 0; s < 4; s++)
+                    for (int l = 0; l < 32; l += 8) {
+                        int e = 128 * h + 32 * s + l;
+                        __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 64 * h + 32 * (s % 2) + l)));
+                        __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 32 * h + l)));
+                        lo = _mm256_and_si256(_mm256_srli_epi32(lo, 4 * (s / 2)), _mm256_set1_epi32(0x0F));
+                        hi = _mm256_and_si256(_mm256_srli_epi32(hi, 2 * s), _mm256_set1_epi32(0x03));
+                        __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4))), bias);
+                        _mm256_storeu_ps(dst + e, _mm256_mul_ps(_mm256_set1_ps(d * (float)sc[e / 16]), q));
+                    }
+        }
+    }
+}
+
+/* Bytes of one row of K weights of `type`; 0 for a type this file does not read or a K its blocks do not divide. */
+int64_t slabserve_quant_row_bytes(int64_t type, int64_t K) {
+    switch (type) {
+        case WT_F32: return K % 8 ? 0 : 4 * K;
+        case WT_F16: case WT_BF16: return K % 8 ? 0 : 2 * K;
+        case WT_Q8_0: return K % 32 ? 0 : K / 32 * 34;
+        case WT_Q4_0: return K % 32 ? 0 : K / 32 * 18;
+        case WT_Q4_1: return K % 32 ? 0 : K / 32 * 20;
+        case WT_Q4_K: return K % 256 ? 0 : K / 256 * 144;
+        case WT_Q6_K: return K % 256 ? 0 : K / 256 * 210;
+        default: return 0;
+    }
+}
+
+/* `mr` rows of x (1..3) times `nr` dequantized rows of w (1..8 when mr is 1, else 1..4), each (i, j) one 8-lane
+ * FMA chain over K in order then summed across lanes by hsum256: the arithmetic of a result never depends on the
+ * tile it is computed in. */
+static inline __attribute__((always_inline)) void dot_tile(int mr, int nr, int64_t K, const float *x, int64_t ldx,
+                                                           const float *w, float *y, int64_t ldy,
+                                                           const float *r, int64_t ldr) {
+    __m256 c[3][8];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) c[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 a[3];
+        for (int i = 0; i < mr; i++) a[i] = _mm256_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < nr; j++) {
+            __m256 b = _mm256_loadu_ps(w + j * K + k);
+            for (int i = 0; i < mr; i++) c[i][j] = _mm256_fmadd_ps(a[i], b, c[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            float v = hsum256(c[i][j]);
+            y[i * ldy + j] = r ? v + r[i * ldr + j] : v;
+        }
+}
+
+/* The four 8-float vectors of one 32-weight block of Q4_0, Q4_1 or Q8_0 (`type` a constant after inlining): the
+ * same values dequant_row stores, computed the same way. */
+static inline __attribute__((always_inline)) void block32(int type, const uint8_t *blk, __m256 v[4]) {
+    if (type == WT_Q8_0) {
+        __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i)))), d);
+        return;
+    }
+    __m128i lo, hi;
+    nibbles(blk + (type == WT_Q4_1 ? 4 : 2), &lo, &hi);
+    u8x16_to_f32(lo, &v[0], &v[1]);
+    u8x16_to_f32(hi, &v[2], &v[3]);
+    __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+    if (type == WT_Q4_1) {
+        __m256 m = _mm256_set1_ps(f16_to_f32(blk + 2));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_add_ps(_mm256_mul_ps(d, v[i]), m);
+    } else {
+        const __m256 eight = _mm256_set1_ps(8.0f);
+        for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(d, _mm256_sub_ps(v[i], eight));
+    }
+}
+
+/* One row of x times `nr` (<= 8; 8 when `full`) rows of 32-weight blocks, dequantized in registers: each (row, n)
+ * is the 8-lane FMA chain over k in order of dot_tile, on the values dequant_row gives, so the result is the same
+ * bits the scratch path computes for the same row in any batch. */
+static inline __attribute__((always_inline)) void gemv_blocks32(int type, int nr, int64_t K, const float *x,
+                                                                const uint8_t *w, int64_t row_bytes, float *y,
+                                                                const float *r) {
+    int bb = type == WT_Q8_0 ? 34 : type == WT_Q4_1 ? 20 : 18;
+    __m256 acc[8];
+    for (int j = 0; j < nr; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 xv[4];
+        for (int i = 0; i < 4; i++) xv[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+        for (int j = 0; j < nr; j++) {
+            __m256 v[4];
+            block32(type, w + j * row_bytes + b * bb, v);
+            for (int i = 0; i < 4; i++) acc[j] = _mm256_fmadd_ps(xv[i], v[i], acc[j]);
+        }
+    }
+    for (int j = 0; j < nr; j++) {
+        float s = hsum256(acc[j]);
+        y[j] = r ? s + r[j] : s;
+    }
+}
+
+static void gemv_blocks32_any(int type, int nr, int64_t K, const float *x, const uint8_t *w, int64_t row_bytes,
+                              float *y, const float *r) {
+#define GEMV_CASE(T)                                                                                       \
+    if (type == T) {                                                                                       \
+        int j = 0;                                                                                         \
+        for (; j + 4 <= nr; j += 4) gemv_blocks32(T, 4, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL); \
+        for (; j < nr; j++) gemv_blocks32(T, 1, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL); \
+        return;                                                                                            \
+    }
+    GEMV_CASE(WT_Q4_0)
+    GEMV_CASE(WT_Q4_1)
+    GEMV_CASE(WT_Q8_0)
+#undef GEMV_CASE
+}
+
+#define QROWS 8  /* weight rows a task dequantizes and multiplies at once */
+
+/* All M rows of x times `nr` (<= QROWS) dequantized rows: lone rows take eight weight rows per pass, more rows
+ * take tiles of three x rows by four weight rows. */
+static void rows_times_dequantized(int64_t M, int nr, int64_t K, const float *x, int64_t ldx, const float *w,
+                                   float *y, int64_t ldy, const float *r, int64_t ldr) {
+    if (M == 1) {
+        switch (nr) {
+            case 8: dot_tile(1, 8, K, x, ldx, w, y, ldy, r, ldr); return;
+            default:
+                for (int j = 0; j < nr; j += 4) {
+                    int n = nr - j < 4 ? nr - j : 4;
+                    const float *rj = r ? r + j : NULL;
+                    if (n == 4) dot_tile(1, 4, K, x, ldx, w + j * K, y + j, ldy, rj, ldr);
+                    else for (int t = 0; t < n; t++) dot_tile(1, 1, K, x, ldx, w + (j + t) * K, y + j + t, ldy,
+                                                              rj ? rj + t : NULL, ldr);
+                }
+                return;
+        }
+    }
+    for (int j = 0; j < nr; j += 4) {
+        int n = nr - j < 4 ? nr - j : 4;
+        for (int64_t m = 0; m < M; m += 3) {
+            int mr = M - m < 3 ? (int)(M - m) : 3;
+            const float *xm = x + m * ldx, *rm = r ? r + m * ldr + j : NULL;
+            float *ym = y + m * ldy + j;
+            const float *wj = w + j * K;
+            if (mr == 3 && n == 4) dot_tile(3, 4, K, xm, ldx, wj, ym, ldy, rm, ldr);
+            else if (mr == 2 && n == 4) dot_tile(2, 4, K, xm, ldx, wj, ym, ldy, rm, ldr);
+            else if (mr == 1 && n == 4) dot_tile(1, 4, K, xm, ldx, wj, ym, ldy, rm, ldr);
+            else
+                for (int i = 0; i < mr; i++)
+                    for (int t = 0; t < n; t++)
+                        dot_tile(1, 1, K, xm + i * ldx, ldx, wj + t * K, ym + i * ldy + t, ldy,
+                                 rm ? rm + i * ldr + t : NULL, ldr);
+        }
+    }
+}
+
+/* y (M, N) = x (M, K) @ W^T (+ residual), W N rows of `row_bytes` bytes of `type` blocks. Returns 0, or -1 (having
+ * done nothing) when `type` and K do not give `row_bytes` or K is beyond the stack scratch (MAX_QUANT_K). */
+#define MAX_QUANT_K 65536
+#define QSCRATCH_FLOATS 65536  /* 256 KB of stack per task at most: QROWS rows up to K = 8192, fewer beyond */
+int slabserve_linear_q(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const uint8_t *w,
+                       int64_t row_bytes, int64_t type, float *y, int64_t ldy, const float *residual, int64_t ldr) {
+    if (K <= 0 || K > MAX_QUANT_K || slabserve_quant_row_bytes(type, K) != row_bytes) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    int64_t rows = QSCRATCH_FLOATS / K < QROWS ? QSCRATCH_FLOATS / K : QROWS;
+    int64_t groups = (N + rows - 1) / rows;
+    #pragma omp parallel for schedule(static) if (groups > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t n0 = g * rows;
+        int nr = N - n0 < rows ? (int)(N - n0) : (int)rows;
+        if (M == 1 && (type == WT_Q4_0 || type == WT_Q4_1 || type == WT_Q8_0)) {  /* no scratch: same bits */
+            gemv_blocks32_any((int)type, nr, K, x, w + n0 * row_bytes, row_bytes, y + n0,
+                              residual ? residual + n0 : NULL);
+            continue;
+        }
+        float buf[rows * K];
+        for (int j = 0; j < nr; j++) dequant_row((int)type, w + (n0 + j) * row_bytes, K, buf + j * K);
+        rows_times_dequantized(M, nr, K, x, ldx, buf, y + n0, ldy, residual ? residual + n0 : NULL, ldr);
+    }
+    return 0;
+}
+
+/* out[t] = row ids[t] of W (V rows of `row_bytes` bytes of `type`), dequantized. Returns 0; -1 (having written
+ * nothing) when an id lies outside [0, V) or the row size does not match. */
+int slabserve_embed_q(int64_t T, const int64_t *ids, int64_t V, int64_t K, const uint8_t *w, int64_t row_bytes,
+                      int64_t type, float *out, int64_t ldo) {
+    if (slabserve_quant_row_bytes(type, K) != row_bytes) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= V) return -1;
+    #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
+    for (int64_t t = 0; t < T; t++) dequant_row((int)type, w + ids[t] * row_bytes, K, out + t * ldo);
+    return 0;
+}

@@ -34,7 +34,9 @@ from slabserve.kernels import contracts, reference
 from slabserve.kernels.contracts import PANEL, check_linear, panel_shape
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+# -ffp-contract=off: a product and a sum stay two roundings where the C says so (GGUF dequantization must give the
+# `gguf` package's values exactly: d * q + m, not fma(d, q, m)); the kernels ask for FMA by name where they want it.
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 _LIBS = ("-lm",)
 _state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there is none (filled once)
 
@@ -46,6 +48,9 @@ _SIGNATURES = {  # C function -> (return type, argument types), as declared in c
     "slabserve_silu_mul_f32": (None, [_I, _I, _P, _I, _P, _I]),
     "slabserve_rope_f32": (_RC, [_I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I]),
     "slabserve_kv_write_f32": (_RC, [_I, _I, _P, _I, _P, _I, _P, _P, _P, _I, _I]),
+    "slabserve_quant_row_bytes": (_I, [_I, _I]),
+    "slabserve_linear_q": (_RC, [_I, _I, _I, _P, _I, _P, _I, _I, _P, _I, _P, _I]),
+    "slabserve_embed_q": (_RC, [_I, _P, _I, _I, _P, _I, _I, _P, _I]),
 }
 
 
@@ -171,6 +176,52 @@ def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     return out
 
 
+
+
+# ---------------------------------------------------------------------------------------------------- GGUF blocks
+
+
+def prepare_linear_q(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
+                     qtype: int) -> Callable[[], None]:
+    """Check once and bind: `run()` computes out = x @ W^T (+ residual), W rows of GGUF blocks of GGML type `qtype`
+    (kernels.quant), dequantized in the kernel with the `gguf` package's arithmetic."""
+    contracts.check_linear_q(x, w, out, residual, qtype)
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"linear_q: the native CPU kernels are not available here: {unavailable_reason()}")
+    if x.device.type != "cpu":
+        raise ValueError("linear_q: the native kernel takes CPU tensors only")
+    m, k = x.shape
+    call = _bind((x, w, out, residual), lib.slabserve_linear_q, m, out.shape[1], k, x.data_ptr(), x.stride(0),
+                 w.data_ptr(), w.shape[1], qtype, out.data_ptr(), out.stride(0),
+                 residual.data_ptr() if residual is not None else None,
+                 residual.stride(0) if residual is not None else 0)
+
+    def run() -> None:
+        if call():
+            raise ValueError(f"linear_q: GGML type {qtype} with rows of {k} weights is not {w.shape[1]} bytes a row")
+
+    run.tensors = call.tensors  # type: ignore[attr-defined]
+    return run
+
+
+def prepare_embed_q(ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype: int) -> Callable[[], None]:
+    """Check once and bind: `run()` writes row ids[t] of W (GGUF blocks of type `qtype`), dequantized, to out[t]."""
+    contracts.check_embed_q(ids, w, out, qtype)
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"embed_q: the native CPU kernels are not available here: {unavailable_reason()}")
+    if ids.stride(0) != 1:
+        raise ValueError("embed_q: ids must be contiguous")
+    call = _bind((ids, w, out), lib.slabserve_embed_q, ids.shape[0], ids.data_ptr(), w.shape[0], out.shape[1],
+                 w.data_ptr(), w.shape[1], qtype, out.data_ptr(), out.stride(0))
+
+    def run() -> None:
+        if call():
+            raise ValueError(f"embed_q: a token id lies outside the embedding's {w.shape[0]} rows")
+
+    run.tensors = call.tensors  # type: ignore[attr-defined]
+    return run
 
 
 # ---------------------------------------------------------------------------------------------------- attention

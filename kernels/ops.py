@@ -16,6 +16,8 @@ the first CUDA call (during warm-up, before any graph capture).
   slabserve::slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
   slabserve::slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
   slabserve::linear(x, w, out, residual)       CPU only: w packed as column panels (kernels.cpu_native)
+  slabserve::linear_q(x, w, out, residual, qtype)   CPU only: w rows of GGUF blocks (kernels.quant)
+  slabserve::embed_q(ids, w, out, qtype)            CPU only: rows of GGUF blocks gathered and dequantized
 
 `CPU_PREPARE` maps each op's name to the function the planned executor uses to bind it once on CPU (checks and
 views at bind time, only arithmetic per step); the op's own CPU kernel runs the same function, so the eager and the
@@ -166,9 +168,38 @@ def _linear_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] =
     contracts.check_linear(x, w, out, residual)
 
 
+# --- linear_q and embed_q (CPU; weights in GGUF blocks, kernels.quant) --------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::linear_q", mutates_args=("out",), device_types="cpu")
+def _linear_q_op(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int) -> None:
+    if cpu_native.available():
+        cpu_native.prepare_linear_q(x, w, out, residual, qtype)()
+    else:
+        reference.linear_q_ref(x, w, out, residual, qtype)
+
+
+@_linear_q_op.register_fake
+def _linear_q_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int) -> None:
+    contracts.check_linear_q(x, w, out, residual, qtype)
+
+
+@torch.library.custom_op(f"{_LIB}::embed_q", mutates_args=("out",), device_types="cpu")
+def _embed_q_op(ids: Tensor, w: Tensor, out: Tensor, qtype: int) -> None:
+    if cpu_native.available():
+        cpu_native.prepare_embed_q(ids, w, out, qtype)()
+    else:
+        reference.embed_q_ref(ids, w, out, qtype)
+
+
+@_embed_q_op.register_fake
+def _embed_q_fake(ids: Tensor, w: Tensor, out: Tensor, qtype: int) -> None:
+    contracts.check_embed_q(ids, w, out, qtype)
+
+
 CPU_PREPARE = {"rms_norm": cpu_native.prepare_rms_norm, "rope": cpu_native.prepare_rope,
                "silu_mul": cpu_native.prepare_silu_mul, "kv_write": cpu_native.prepare_kv_write,
-               "slab_attention": cpu_native.prepare_slab_attention, "linear": cpu_native.prepare_linear}
+               "slab_attention": cpu_native.prepare_slab_attention, "linear": cpu_native.prepare_linear,
+               "linear_q": cpu_native.prepare_linear_q, "embed_q": cpu_native.prepare_embed_q}
 
 
 # --- the functions models call ----------------------------------------------------------------------------
@@ -217,4 +248,16 @@ def slab_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offs
 def linear(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None) -> Tensor:
     """x (M, K) @ W into out (M, N), plus residual (M, N) when given; w is W packed as (ceil(N / 16), K, 16)."""
     torch.ops.slabserve.linear(x, w, out, residual)
+    return out
+
+
+def linear_q(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int) -> Tensor:
+    """x (M, K) @ W^T into out (M, N) (+ residual): W (N, row_bytes) uint8 rows of GGML type `qtype` blocks."""
+    torch.ops.slabserve.linear_q(x, w, out, residual, qtype)
+    return out
+
+
+def embed_q(ids: Tensor, w: Tensor, out: Tensor, qtype: int) -> Tensor:
+    """out (T, K) = the rows ids (T,) of W (V, row_bytes) uint8 rows of GGML type `qtype` blocks, dequantized."""
+    torch.ops.slabserve.embed_q(ids, w, out, qtype)
     return out

@@ -26,8 +26,10 @@ import torch
 
 from slabserve.kernels.contracts import (
                                          PANEL,
+                                         check_embed_q,
                                          check_kv_write,
                                          check_linear,
+                                         check_linear_q,
                                          check_rms_norm,
                                          check_rope,
                                          check_silu_mul,
@@ -196,6 +198,32 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
         product += residual
     return out.copy_(product)
 
+
+
+def linear_q_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
+                 qtype: int) -> torch.Tensor:
+    """out = x @ dequantize(W)^T (+ residual), W rows of GGUF blocks (kernels.quant): the `gguf` package's
+    dequantization, then an fp32 matmul. The ground truth of the native kernel; allocates (the serving path is the
+    native kernel, and build-plan refuses quantized weights where it cannot run)."""
+    from slabserve.kernels import quant
+
+    check_linear_q(x, w, out, residual, qtype)
+    weights = quant.dequantize(w, quant.by_id(qtype).name, x.shape[1]).to(x.device)  # (N, K)
+    product = x @ weights.t()
+    if residual is not None:
+        product += residual
+    return out.copy_(product)
+
+
+def embed_q_ref(ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype: int) -> torch.Tensor:
+    """out[t] = dequantize(W)[ids[t]]: the rows asked for, through the `gguf` package."""
+    from slabserve.kernels import quant
+
+    check_embed_q(ids, w, out, qtype)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
+        raise ValueError(f"embed_q: a token id lies outside the embedding's {w.shape[0]} rows")
+    rows = quant.dequantize(w[ids.cpu()], quant.by_id(qtype).name, out.shape[1])
+    return out.copy_(rows)
 
 # ---------------------------------------------------------------------------------------------------- kv_write
 

@@ -16,7 +16,7 @@ import torch
 from slabserve.kernels import cpu_native
 from slabserve.runtime.devices import device_mismatch, version_mismatch
 from slabserve.runtime.loader import WeightSource
-from slabserve.runtime.model import DTYPE_NAMES, weight_layout
+from slabserve.runtime.model import DTYPE_NAMES, source_blocks, weight_layout
 from slabserve.runtime.plan import config_fingerprint
 from slabserve.runtime.trace import graph_fingerprint
 
@@ -112,10 +112,16 @@ def check_gemm_runs_here(gemm: str, device: str = "cpu") -> None:
 
 def check_weight_layout(plan, source: WeightSource) -> None:
     """The plan's weight arena must be the one this runtime fills (runtime.model.weight_layout), byte for byte."""
+    try:
+        blocks = source_blocks(source, plan.engine.weight_format, plan.engine.gemm, plan.engine.device,
+                               plan.engine.dtype)
+    except ValueError as err:
+        raise PlanMismatchError(f"the plan's weights cannot be laid out from this model: {err}; rebuild the plan "
+                                f"(build-plan)") from None
     slots, arena_bytes = weight_layout(source.config, DTYPES[plan.engine.dtype], plan.engine.rope_positions,
-                                       plan.engine.gemm)
-    mine = [(s.name, tuple(s.shape), DTYPE_NAMES[s.dtype], s.offset, s.nbytes) for s in slots]
-    theirs = [(e.name, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in plan.weights.entries]
+                                       plan.engine.gemm, blocks)
+    mine = [(s.name, tuple(s.shape), DTYPE_NAMES[s.dtype], s.offset, s.nbytes, s.block_type) for s in slots]
+    theirs = [(e.name, tuple(e.shape), e.dtype, e.offset, e.nbytes, e.block_type) for e in plan.weights.entries]
     if mine != theirs or arena_bytes != plan.weights.arena_bytes:
         first = next((f"{a} (plan: {b})" for a, b in zip(mine, theirs) if a != b),
                      f"{len(mine)} entries, {arena_bytes} bytes (plan: {len(theirs)}, {plan.weights.arena_bytes})")

@@ -26,7 +26,7 @@ from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, Planned
 from slabserve.runtime.loader import GGUFSource, WeightSource, open_model
 from slabserve.runtime.graph_io import GRAPHS_FILE, read_programs
 from slabserve.runtime.plan import read_plan_and_id
-from slabserve.runtime.model import build_step, default_gemm
+from slabserve.runtime.model import build_step, default_gemm, source_blocks
 from slabserve.runtime.sampler import Sampler, SamplingParams, make_generator
 from slabserve.runtime.scheduler import FinishReason, InvalidRequestError, Request, ScheduledStep, Scheduler
 from slabserve.runtime.slab_allocator import SlabClass
@@ -52,6 +52,7 @@ class EngineConfig:
     graph_budget_bytes: int | None = None  # CUDA: what graph capture may add (the plan's target.reserve)
     prefix_reuse: bool = True            # slabs keep their prefixes for later prompts (where rows are exact)
     prefixes: tuple[tuple[str, tuple[int, ...]], ...] = ()  # declared (name, token ids): rows after the slabs
+    weight_format: str = "float"         # the weight arena (kernels.quant.WEIGHT_FORMATS): float, gguf or q8_0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +141,10 @@ class Engine:
                                  f"largest slab ({max_slab})")
         self.gemm = config.gemm or default_gemm(self.device.type, self.dtype)
         check_gemm_runs_here(self.gemm, self.device.type)
+        self.weight_format = config.weight_format
+        blocks = source_blocks(source, config.weight_format, self.gemm, self.device.type, config.dtype)
         self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, device=self.device,
-                                  gemm=self.gemm)  # one weight arena
+                                  gemm=self.gemm, blocks=blocks)  # one weight arena
         rows = sum(k.tokens * k.count for k in config.classes) + sum(len(ids) for _, ids in config.prefixes)
         self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.kv_dtype,
                                    device=self.device)  # (L, N, Hkv, D)
@@ -193,7 +196,7 @@ class Engine:
                               plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
                               plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms,
                               plan.engine.gemm, plan.engine.device, plan.engine.kv_dtype, plan.target.reserve_bytes,
-                              plan.engine.prefix_reuse, plan.declared_prefixes())
+                              plan.engine.prefix_reuse, plan.declared_prefixes(), plan.engine.weight_format)
         fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
         graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),

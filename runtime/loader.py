@@ -224,6 +224,17 @@ class GGUFSource(WeightSource):
         # F32 tensors come back as read-only views of the memory map: copy those, take the others as they are.
         return torch.from_numpy(np.array(array, dtype=np.float32, copy=not array.flags.writeable, order="C"))
 
+    def get_blocks(self, name: str) -> tuple[str, torch.Tensor]:
+        """(block type, (N, row_bytes) uint8 rows) of a 2-D tensor as the file stores it, in HF row order (llama's
+        q/k rows un-interleaved, whole rows moved: the blocks run along a row); a copy, not a view of the map."""
+        t = self._tensors[name]
+        rows = self.shapes[name][0]
+        data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        if self.config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
+            data = unpermute_rope_rows(data, heads)
+        return t.tensor_type.name, torch.from_numpy(np.array(data, dtype=np.uint8, order="C"))
+
     def freq_factors(self) -> torch.Tensor | None:
         if self._rope_freqs is None:
             return None

@@ -18,6 +18,14 @@ another, and every projection is stored for one of two matmul paths:
   "native"  (CPU, fp32) packed as column panels, (ceil(out / 16), in, 16), multiplied by slabserve::linear, the
             native kernel of kernels/cpu_native.c, which also adds the residual. On 2 AVX2 cores it reads the weights
             at 1.5x to 3x MKL's speed at 1 to 32 rows and computes 1.2x to 1.6x faster at 256.
+
+Weight format (`weights`, chosen by the plan; kernels/quant.py): "float" dequantizes every tensor to the plan's
+dtype in the layout above. "gguf" keeps every projection and the embedding in the GGUF file's own blocks (Q4_1,
+Q8_0, Q4_K, ...) and "q8_0" quantizes them to Q8_0 at load: each is then a (N, row_bytes) uint8 tensor of blocks,
+multiplied by slabserve::linear_q and gathered by slabserve::embed_q (native CPU kernels, fp32 activations), a tied
+lm_head reads the embedding's own blocks, and the parts of a fused projection (q/k/v, gate/up) stay one tensor when
+they share a block type and become one per run of a type when they do not. `blocks` (weight_blocks) names each
+quantized tensor's type; the plan's weight manifest records it per slot.
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import torch
 from torch import nn
 
 import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
-from slabserve.kernels import cpu_native
+from slabserve.kernels import cpu_native, quant
 from slabserve.kernels.contracts import panel_shape
 from slabserve.kernels.reference import cpu_workspace_numel
 from slabserve.kernels.workspace import decode_workspace_shape
@@ -57,16 +65,132 @@ class TensorSource(Protocol):
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
 
+def _block_tensors(config: ModelConfig) -> dict[str, int]:
+    """HF name -> K (weights per row) of every tensor a quantized weight format keeps in blocks."""
+    c = config
+    names = {"model.embed_tokens.weight": c.hidden_size}
+    for n in range(c.num_layers):
+        p = f"model.layers.{n}."
+        names.update({p + "self_attn.q_proj.weight": c.hidden_size, p + "self_attn.k_proj.weight": c.hidden_size,
+                      p + "self_attn.v_proj.weight": c.hidden_size, p + "self_attn.o_proj.weight": c.q_size,
+                      p + "mlp.gate_proj.weight": c.hidden_size, p + "mlp.up_proj.weight": c.hidden_size,
+                      p + "mlp.down_proj.weight": c.intermediate_size})
+    if not c.tie_word_embeddings:
+        names["lm_head.weight"] = c.hidden_size
+    return names
+
+
+def weight_blocks(config: ModelConfig, weights: str, tensor_types: Mapping[str, str] | None = None
+                  ) -> dict[str, str] | None:
+    """HF name -> block type (kernels.quant.BLOCK_TYPES) of every tensor the weight format `weights` keeps in
+    blocks; None for "float". `tensor_types`: the GGUF file's own types (WeightSource.tensor_types), which "gguf"
+    keeps. Raises ValueError naming the tensor and what is allowed when the kernels cannot take a block type."""
+    if weights == "float":
+        return None
+    if weights not in quant.WEIGHT_FORMATS:
+        raise ValueError(f"weight_format: {weights!r} is not one of {', '.join(quant.WEIGHT_FORMATS)}")
+    sizes = _block_tensors(config)
+    if weights == "q8_0":
+        blocks = dict.fromkeys(sizes, "Q8_0")
+    elif tensor_types is None:
+        raise ValueError("weight_format: gguf keeps a GGUF file's own blocks and this model is not a GGUF file: use "
+                         "weight_format: q8_0 (quantized at load) or float")
+    else:
+        blocks = {name: tensor_types[name] for name in sizes}
+    for name, kind in blocks.items():
+        quant.block_type(kind, f"weight_format: {weights}: {name}")
+        if not quant.fits(kind, sizes[name]):
+            raise ValueError(f"weight_format: {weights}: {name} has rows of {sizes[name]} weights, which do not split into "
+                             f"whole {kind} blocks of {quant.BLOCK_TYPES[kind].block_size}: use weight_format: float")
+    return blocks
+
+
+def source_blocks(source, weight_format: str, gemm: str, device: str, dtype: str) -> dict[str, str] | None:
+    """weight_blocks for a weight source (its GGUF tensor types when it is one), after checking the format runs on
+    this path: the block kernels are the native float32 CPU ones (gemm native)."""
+    if weight_format == "float":
+        return None
+    if device != "cpu" or dtype != "float32" or gemm != "native":
+        raise ValueError(f"weight_format: {weight_format} is multiplied by the native float32 CPU kernels; this engine "
+                         f"runs {device} {dtype} with gemm {gemm}: use weight_format: float")
+    types = source.tensor_types() if getattr(source, "format", None) == "gguf" else None
+    return weight_blocks(source.config, weight_format, types)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGroup:
+    """One run of a quantized projection's parts that share a block type: a (rows, row_bytes) uint8 slot."""
+
+    slot: str        # packed name of the tensor holding it ("3.wqkv", "3.wqkv.1", or "embed" for a tied lm_head)
+    block_type: str
+    start: int       # its first output column in the projection
+    rows: int
+    k: int
+
+
+def block_groups(config: ModelConfig, blocks: Mapping[str, str]) -> dict[str, list[BlockGroup]]:
+    """Projection name ("3.wqkv", ..., "lm_head") -> its block groups, in pack order. A projection whose parts share
+    a block type is one group named like the projection; else one group per run of a type, named
+    "<projection>.<index>"."""
+    c = config
+    out: dict[str, list[BlockGroup]] = {}
+
+    def add(proj: str, k: int, parts: list[tuple[str, int]]) -> None:
+        runs: list[list] = []
+        start = 0
+        for name, rows in parts:
+            kind = blocks[name]
+            if runs and runs[-1][0] == kind:
+                runs[-1][2] += rows
+            else:
+                runs.append([kind, start, rows])
+            start += rows
+        out[proj] = [BlockGroup(proj if len(runs) == 1 else f"{proj}.{i}", kind, first, rows, k)
+                     for i, (kind, first, rows) in enumerate(runs)]
+
+    for n in range(c.num_layers):
+        p = f"model.layers.{n}."
+        add(f"{n}.wqkv", c.hidden_size, [(p + "self_attn.q_proj.weight", c.q_size),
+                                          (p + "self_attn.k_proj.weight", c.kv_size),
+                                          (p + "self_attn.v_proj.weight", c.kv_size)])
+        add(f"{n}.wo", c.q_size, [(p + "self_attn.o_proj.weight", c.hidden_size)])
+        add(f"{n}.wgate_up", c.hidden_size, [(p + "mlp.gate_proj.weight", c.intermediate_size),
+                                              (p + "mlp.up_proj.weight", c.intermediate_size)])
+        add(f"{n}.wdown", c.intermediate_size, [(p + "mlp.down_proj.weight", c.hidden_size)])
+    if c.tie_word_embeddings:
+        out["lm_head"] = [BlockGroup("embed", blocks["model.embed_tokens.weight"], 0, c.vocab_size, c.hidden_size)]
+    else:
+        add("lm_head", c.hidden_size, [("lm_head.weight", c.vocab_size)])
+    return out
+
+
+def _projection_parts(config: ModelConfig) -> dict[str, list[str]]:
+    """Projection name -> the HF tensors whose rows it stacks, in order (block_groups' order)."""
+    parts = {}
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        parts[f"{n}.wqkv"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        parts[f"{n}.wo"] = [p + "self_attn.o_proj.weight"]
+        parts[f"{n}.wgate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        parts[f"{n}.wdown"] = [p + "mlp.down_proj.weight"]
+    if not config.tie_word_embeddings:
+        parts["lm_head"] = ["lm_head.weight"]
+    return parts
+
+
 def pack_weights(config: ModelConfig, source: TensorSource, dtype: torch.dtype,
                  place: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                 gemm: str = "aten") -> dict[str, torch.Tensor]:
-    """HF-named weights -> the step's compute layout (fused, pre-transposed or panel-packed for `gemm`, `dtype`).
+                 gemm: str = "aten", blocks: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """HF-named weights -> the step's compute layout (fused, pre-transposed or panel-packed for `gemm`, `dtype`;
+    or, with `blocks`, the block rows of kernels.quant).
 
     Reads the source tensor by tensor. `place(name, tensor)` (when given) moves each packed tensor to its final
     home and returns it there (`build_step`: its place in the weight arena), so the temporary copy is freed before
     the next one is made and peak memory stays near one copy of the model.
     """
     _check_gemm(gemm)
+    if blocks is not None:
+        return _pack_blocks(config, source, blocks, place)
 
     def take(name: str) -> torch.Tensor:
         return source.get(name, dtype)
@@ -96,6 +220,56 @@ def pack_weights(config: ModelConfig, source: TensorSource, dtype: torch.dtype,
     return dict(packed)
 
 
+def _pack_blocks(config: ModelConfig, source, blocks: Mapping[str, str],
+                 place: Callable[[str, torch.Tensor], torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """pack_weights for a quantized format: block rows read as the file holds them (source.get_blocks) or
+    quantized to Q8_0 here, stacked per block group; norms (and a q/k/v bias) in float32."""
+
+    def rows(name: str) -> torch.Tensor:  # (N, row_bytes) uint8
+        kind = blocks[name]
+        if hasattr(source, "get_blocks"):
+            have, data = source.get_blocks(name)
+            if have == kind:
+                return data
+        return quant.quantize_q8_0(source.get(name, torch.float32)) if kind == "Q8_0" else _no_blocks(name, kind)
+
+    def take(name: str) -> torch.Tensor:
+        return source.get(name, torch.float32).contiguous()
+
+    packed = _Placed(place)
+    packed["embed"] = rows("model.embed_tokens.weight")
+    groups, parts = block_groups(config, blocks), _projection_parts(config)
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        for proj in (f"{n}.wqkv", f"{n}.wo", f"{n}.wgate_up", f"{n}.wdown"):
+            _place_groups(packed, groups[proj], parts[proj], rows)
+        if config.qkv_bias:
+            packed[f"{n}.bqkv"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]).contiguous()
+        packed[f"{n}.attn_norm"] = take(p + "input_layernorm.weight")
+        packed[f"{n}.ffn_norm"] = take(p + "post_attention_layernorm.weight")
+    packed["norm"] = take("model.norm.weight")
+    if not config.tie_word_embeddings:
+        _place_groups(packed, groups["lm_head"], parts["lm_head"], rows)
+    return dict(packed)
+
+
+def _place_groups(packed: dict, groups: list[BlockGroup], names: list[str], rows: Callable) -> None:
+    """Stack the parts' block rows into each group's slot (a run of parts of one type)."""
+    pending = list(names)
+    for g in groups:
+        taken, count = [], 0
+        while count < g.rows:
+            r = rows(pending.pop(0))
+            taken.append(r)
+            count += r.shape[0]
+        packed[g.slot] = taken[0] if len(taken) == 1 else torch.cat(taken, dim=0)
+
+
+def _no_blocks(name: str, kind: str) -> torch.Tensor:
+    raise ValueError(f"{name}: the model does not hold {kind} blocks for it (weight_format: gguf reads a GGUF file's own "
+                     f"blocks; weight_format: q8_0 quantizes any model)")
+
+
 class _Placed(dict):
     """A dict that passes every tensor stored in it through `place` first."""
 
@@ -109,7 +283,7 @@ class _Placed(dict):
 
 # Every weight starts on a boundary any vector load or TMA descriptor accepts.
 WEIGHT_ALIGNMENT = 256
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +295,7 @@ class WeightSlot:
     dtype: torch.dtype
     offset: int              # bytes from the arena's start, a multiple of WEIGHT_ALIGNMENT
     nbytes: int
+    block_type: str | None = None  # GGUF block type of a (rows, row_bytes) uint8 slot (kernels.quant); else None
 
 
 def packed_shapes(config: ModelConfig, gemm: str = "aten") -> dict[str, tuple[int, ...]]:
@@ -146,17 +321,53 @@ def packed_shapes(config: ModelConfig, gemm: str = "aten") -> dict[str, tuple[in
     return shapes
 
 
+def packed_specs(config: ModelConfig, dtype: torch.dtype, gemm: str = "aten",
+                 blocks: Mapping[str, str] | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype, str | None]]:
+    """`pack_weights`' output in its order: name -> (shape, dtype, block type or None)."""
+    if blocks is None:
+        return {name: (shape, dtype, None) for name, shape in packed_shapes(config, gemm).items()}
+    c = config
+    embed = quant.BLOCK_TYPES[blocks["model.embed_tokens.weight"]]
+    specs = {"embed": ((c.vocab_size, embed.row_bytes(c.hidden_size)), torch.uint8, embed.name)}
+    groups = block_groups(config, blocks)
+
+    def add(proj: str) -> None:
+        for g in groups[proj]:
+            specs[g.slot] = ((g.rows, quant.BLOCK_TYPES[g.block_type].row_bytes(g.k)), torch.uint8, g.block_type)
+
+    for n in range(c.num_layers):
+        add(f"{n}.wqkv")
+        if c.qkv_bias:
+            specs[f"{n}.bqkv"] = ((c.q_size + 2 * c.kv_size,), torch.float32, None)
+        add(f"{n}.wo")
+        add(f"{n}.wgate_up")
+        add(f"{n}.wdown")
+        specs[f"{n}.attn_norm"] = ((c.hidden_size,), torch.float32, None)
+        specs[f"{n}.ffn_norm"] = ((c.hidden_size,), torch.float32, None)
+    specs["norm"] = ((c.hidden_size,), torch.float32, None)
+    if not c.tie_word_embeddings:
+        add("lm_head")
+    return specs
+
+
+def empty_packed(config: ModelConfig, dtype: torch.dtype, gemm: str = "aten",
+                 blocks: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors of `pack_weights`' layout on the current default device (meta or fake: tracing)."""
+    return {name: torch.empty(shape, dtype=dt) for name, (shape, dt, _) in
+            packed_specs(config, dtype, gemm, blocks).items()}
+
+
 def weight_layout(config: ModelConfig, dtype: torch.dtype, rope_positions: int,
-                  gemm: str = "aten") -> tuple[list[WeightSlot], int]:
+                  gemm: str = "aten", blocks: Mapping[str, str] | None = None) -> tuple[list[WeightSlot], int]:
     """The weight arena: every packed weight in pack order, then the (P, D) float32 rope table, each aligned to
     WEIGHT_ALIGNMENT; (slots, arena bytes). The compiler writes this layout into the plan and the runtime
     allocates and fills exactly it (build_step refuses a packed tensor that does not match its slot)."""
-    items = [(name, shape, dtype) for name, shape in packed_shapes(config, gemm).items()]
-    items.append(("rope_cos_sin", (rope_positions, config.head_dim), torch.float32))
+    items = list(packed_specs(config, dtype, gemm, blocks).items())
+    items.append(("rope_cos_sin", ((rope_positions, config.head_dim), torch.float32, None)))
     slots, offset = [], 0
-    for name, shape, dt in items:
+    for name, (shape, dt, kind) in items:
         nbytes = math.prod(shape) * torch.empty((), dtype=dt, device="meta").element_size()
-        slots.append(WeightSlot(name, shape, dt, offset, nbytes))
+        slots.append(WeightSlot(name, shape, dt, offset, nbytes, kind))
         offset += -(-nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
     return slots, offset
 
@@ -166,13 +377,18 @@ class LlamaStep(nn.Module):
 
     def __init__(self, config: ModelConfig, packed: Mapping[str, torch.Tensor], rope_positions: int | None = None,
                  freq_factors: torch.Tensor | None = None, rope_cos_sin: torch.Tensor | None = None,
-                 gemm: str = "aten"):
+                 gemm: str = "aten", blocks: Mapping[str, str] | None = None):
         """`rope_cos_sin`: the (P, D) float32 table already computed (and placed); else computed here. `gemm`: the
-        matmul path `packed` was laid out for (pack_weights)."""
+        matmul path `packed` was laid out for (pack_weights); `blocks`: the block types of a quantized layout."""
         super().__init__()
         _check_gemm(gemm)
         self.config = config
         self.gemm = gemm
+        self.blocks = dict(blocks) if blocks is not None else None
+        # projection -> [(slot, GGML type id, first column, last column + 1)] for a quantized layout
+        self.block_groups = {} if blocks is None else {
+            proj: [(g.slot, quant.BLOCK_TYPES[g.block_type].ggml_id, g.start, g.start + g.rows) for g in groups]
+            for proj, groups in block_groups(config, blocks).items()}
         self.scale = config.head_dim ** -0.5
         for name, tensor in packed.items():
             self.register_buffer(_buffer_name(name), tensor, persistent=True)
@@ -198,7 +414,7 @@ class LlamaStep(nn.Module):
         v_cache: torch.Tensor,         # (L, N, Hkv, D)
     ) -> torch.Tensor:                 # (R, V)
         c = self.config
-        x = self.weight("embed")[input_ids]  # (T, hidden)
+        x = self._embed(input_ids)  # (T, hidden)
         # Planned intermediates like any other, shared by every layer (ops run one at a time). On CPU: the
         # references' scratch, sized by attention over the longest slab. Elsewhere (CUDA, and the meta trace of a
         # CUDA plan): the split decode attention's workspace (S, H, splits, D + 2), its splits sized by the
@@ -220,9 +436,26 @@ class LlamaStep(nn.Module):
         x = self._norm(x, self.weight("norm"), scratch)
         return self._linear(x[logits_indices], "lm_head", c.vocab_size)  # (R, V)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return self.weight("embed")[input_ids]  # (T, hidden)
+        out = torch.empty(input_ids.shape[0], self.config.hidden_size, dtype=torch.float32,
+                          device=input_ids.device)  # (T, hidden)
+        kind = quant.BLOCK_TYPES[self.blocks["model.embed_tokens.weight"]].ggml_id
+        ops.embed_q(input_ids, self.weight("embed"), out, kind)
+        return out
+
     def _linear(self, x: torch.Tensor, name: str, out_features: int,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x (T, in) @ the projection `name` (T, out), plus residual (T, out) when given."""
+        if self.blocks is not None:
+            out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # (T, out)
+            groups = self.block_groups[name]
+            for slot, kind, start, end in groups:
+                whole = len(groups) == 1
+                ops.linear_q(x, self.weight(slot), out if whole else out[:, start:end],
+                             residual if whole or residual is None else residual[:, start:end], kind)
+            return out
         w = self.weight(name)
         if self.gemm == "aten":
             y = x @ w
@@ -268,13 +501,14 @@ def _buffer_name(name: str) -> str:
 
 
 def build_step(source, dtype: torch.dtype = torch.float32, rope_positions: int | None = None,
-               device: torch.device | str = "cpu", gemm: str = "aten") -> LlamaStep:
+               device: torch.device | str = "cpu", gemm: str = "aten",
+               blocks: Mapping[str, str] | None = None) -> LlamaStep:
     """Load and pack a model from a runtime.loader.WeightSource into a ready step module whose weights (and rope
     table) all live in one weight arena, allocated once at `weight_layout`'s size (`step.weight_arena`), laid out
-    for the matmul path `gemm`."""
+    for the matmul path `gemm`, or in the GGUF blocks `blocks` names (weight_blocks)."""
     config = source.config
     positions = rope_positions or config.context_limit
-    slots, arena_bytes = weight_layout(config, dtype, positions, gemm)
+    slots, arena_bytes = weight_layout(config, dtype, positions, gemm, blocks)
     where = {s.name: s for s in slots}
     arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device)  # (arena_bytes,) the weight arena
 
@@ -286,9 +520,9 @@ def build_step(source, dtype: torch.dtype = torch.float32, rope_positions: int |
         view = arena[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
         return view.copy_(tensor)
 
-    packed = pack_weights(config, source, dtype, place, gemm)
+    packed = pack_weights(config, source, dtype, place, gemm, blocks)
     rope = place("rope_cos_sin", rope_table(config, positions, source.freq_factors()))
-    step = LlamaStep(config, packed, positions, rope_cos_sin=rope, gemm=gemm)
+    step = LlamaStep(config, packed, positions, rope_cos_sin=rope, gemm=gemm, blocks=blocks)
     step.weight_arena = arena
     step.weight_slots = slots
     return step

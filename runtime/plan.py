@@ -24,8 +24,11 @@ from typing import Any
 import msgpack
 
 SCHEMA = "slabserve.plan"
-SCHEMA_VERSION = 3  # 2: target.requires; 3: engine.prefix_reuse, kv.prefixes
+SCHEMA_VERSION = 4  # 2: target.requires; 3: engine.prefix_reuse, kv.prefixes; 4: engine.weight_format(_note),
+#                     weights.entries[].block_type
 GEMMS = ("aten", "native")  # runtime.model.GEMMS (this module imports nothing of ours)
+# Weight arena formats (kernels/quant.py): float dequantizes at load; gguf keeps a GGUF file's blocks; q8_0 quantizes
+WEIGHT_FORMATS = ("float", "gguf", "q8_0")
 MAX_QUEUE_DELAY_MS = 3_600_000  # an hour: beyond it admission by latency is off in all but name
 PLAN_FILE = "plan.msgpack"
 MAX_PLAN_BYTES = 64 * 1024**2  # a 30-layer model at 9 buckets is well under 1 MiB
@@ -74,6 +77,8 @@ class EngineSection:
     max_queue_delay_ms: int | None = None  # admission by latency (runtime.admission); None: off
     gemm: str = "aten"  # matmul path and projection layout (runtime.model.GEMMS): "aten" or "native" (CPU fp32)
     prefix_reuse: bool = True  # slabs keep their prefixes for later prompts (runtime.prefix_cache)
+    weight_format: str = "float"  # the weight arena's format (kernels.quant.WEIGHT_FORMATS): float, gguf or q8_0
+    weight_format_note: str | None = None  # why the spec's `weight_format: auto` chose float, when it did
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,7 @@ class WeightEntry:
     dtype: str
     offset: int  # bytes from the weight arena's start; a multiple of the arena's alignment
     nbytes: int  # prod(shape) * dtype size
+    block_type: str | None = None  # GGUF block type of a (rows, row_bytes) uint8 entry (kernels.quant); else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,6 +528,10 @@ def _check_engine(e: EngineSection, servable: bool) -> None:
     _need(e.gemm in GEMMS, f"engine.gemm: {e.gemm!r} is not one of {', '.join(GEMMS)}")
     _need(e.gemm != "native" or (e.device == "cpu" and e.dtype == "float32"),
           f"engine.gemm: native needs device cpu and dtype float32, not {e.device} {e.dtype}")
+    _need(e.weight_format in WEIGHT_FORMATS, f"engine.weight_format: {e.weight_format!r} is not one of "
+                                             f"{', '.join(WEIGHT_FORMATS)}")
+    _need(e.weight_format == "float" or e.gemm == "native",
+          f"engine.weight_format: {e.weight_format} needs gemm native (the CPU kernels that read the blocks)")
 
 
 def _check_weights(w: WeightArena) -> None:
@@ -531,6 +541,8 @@ def _check_weights(w: WeightArena) -> None:
         where = f"weights.entries[{i}] ({entry.name})"
         _need(entry.nbytes == _nbytes(entry.shape, entry.dtype, where),
               f"{where}.nbytes: {entry.nbytes} is not prod(shape) * dtype size")
+        _need(entry.block_type is None or (entry.dtype == "uint8" and len(entry.shape) == 2),
+              f"{where}.block_type: {entry.block_type} blocks are held as (rows, row_bytes) uint8")
         _need(entry.offset % w.alignment == 0, f"{where}.offset: {entry.offset} is not aligned to {w.alignment}")
         _need(entry.offset >= end, f"{where}.offset: {entry.offset} overlaps the entry before (which ends at {end})")
         end = entry.offset + entry.nbytes

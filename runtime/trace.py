@@ -26,7 +26,7 @@ from torch.export import ExportedProgram
 
 import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
 from slabserve.runtime.config import ModelConfig
-from slabserve.runtime.model import LlamaStep, packed_shapes
+from slabserve.runtime.model import LlamaStep, empty_packed
 from slabserve.runtime.step import logits_rows
 
 
@@ -89,11 +89,10 @@ def node_kind(node: fx.Node) -> NodeKind:
 
 
 def meta_step(config: ModelConfig, dtype: torch.dtype = torch.float32, rope_positions: int | None = None,
-              gemm: str = "aten") -> LlamaStep:
+              gemm: str = "aten", blocks: dict[str, str] | None = None) -> LlamaStep:
     """The step module with every weight (and the rope table) on the `meta` device: traceable, holds no memory."""
     with torch.device("meta"):
-        packed = {name: torch.empty(shape, dtype=dtype) for name, shape in packed_shapes(config, gemm).items()}
-        return LlamaStep(config, packed, rope_positions, gemm=gemm)
+        return LlamaStep(config, empty_packed(config, dtype, gemm, blocks), rope_positions, gemm=gemm, blocks=blocks)
 
 
 def step_example_inputs(config: ModelConfig, num_tokens: int, max_seqs: int, kv_rows: int,

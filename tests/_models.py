@@ -66,8 +66,14 @@ def _random_k_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> n
 
     nblocks = cols // 256
     if qtype == gguf.GGMLQuantizationType.Q4_K:
+        # every sub-block's 6-bit scale equals its min (one random value per block) and dmin = 7.5 d, so each
+        # weight is scale * d * (q - 7.5): zero-mean like a trained layer (random packed scales and mins make every
+        # weight positive and the tiny model's logits ill-conditioned)
         blocks = rng.integers(0, 256, size=(rows, nblocks, _Q4_K_BLOCK), dtype=np.uint8)
-        scales = np.stack([np.full((rows, nblocks), 0.0004), np.full((rows, nblocks), 0.0002)], -1).astype(np.float16)
+        v = rng.integers(16, 64, size=(rows, nblocks, 1), dtype=np.uint8)
+        low = (v & 63) | ((v >> 4) << 6)
+        blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16] = low, low, (v & 15) | ((v & 15) << 4)
+        scales = np.stack([np.full((rows, nblocks), 0.0004), np.full((rows, nblocks), 0.003)], -1).astype(np.float16)
         blocks[..., 0:4] = scales.view(np.uint8).reshape(rows, nblocks, 4)
     else:
         blocks = rng.integers(0, 256, size=(rows, nblocks, _Q6_K_BLOCK), dtype=np.uint8)
@@ -85,8 +91,11 @@ GGUF_TINY = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hid
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 
 
-def write_gguf(path: Path, type_name: str, seed: int = 0, tied: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
-    """Write a tiny Llama GGUF whose 2-D weights are all `type_name`; return (hf config dict, reference weights).
+def write_gguf(path: Path, type_name: str, seed: int = 0, tied: bool = False,
+               types: dict[str, str] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """Write a tiny Llama GGUF whose 2-D weights are all `type_name`, except those whose GGUF name ends with a key
+    of `types` (e.g. {"attn_v.weight": "Q6_K"}: mixed files as llama.cpp's Q4_K_M writes them); return (hf config
+    dict, reference weights).
 
     The reference weights are what the file holds, dequantized by the gguf package, in HF row order.
     """
@@ -125,10 +134,11 @@ def write_gguf(path: Path, type_name: str, seed: int = 0, tied: bool = False) ->
             reference[name] = data
             continue
         heads_of = heads if name.endswith("attn_q.weight") else kv if name.endswith("attn_k.weight") else 0
-        raw = _encode(rng, shape, qtype)  # in HF row order
+        own = next((gguf.GGMLQuantizationType[t] for end, t in (types or {}).items() if name.endswith(end)), qtype)
+        raw = _encode(rng, shape, own)  # in HF row order
         stored = _permute_rows(raw, heads_of) if heads_of else raw
-        writer.add_tensor(name, stored, raw_dtype=qtype)
-        reference[name] = gguf.quants.dequantize(raw, qtype).reshape(shape).astype(np.float32)
+        writer.add_tensor(name, stored, raw_dtype=own)
+        reference[name] = gguf.quants.dequantize(raw, own).reshape(shape).astype(np.float32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

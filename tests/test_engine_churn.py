@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from _models import make_served_tiny_model
+from slabserve.kernels import cpu_native
 from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
 from slabserve.runtime.sampler import SamplingParams
 from slabserve.runtime.scheduler import QueueFullError
@@ -21,10 +24,13 @@ def _addresses(engine: Engine) -> dict[str, int]:
     return {name: t.untyped_storage().data_ptr() for name, t in buffers.items()}
 
 
-def test_two_thousand_requests_with_cancellations_leave_every_slab_free(tmp_path):
+@pytest.mark.parametrize("weights", ["float", pytest.param("q8_0", marks=pytest.mark.skipif(
+    not cpu_native.available(), reason="Q8_0 blocks need the native CPU kernels"))])
+def test_two_thousand_requests_with_cancellations_leave_every_slab_free(tmp_path, weights):
+    """`weights` q8_0: the same churn with the projections and embedding in Q8_0 blocks in the weight arena."""
     folder = make_served_tiny_model(tmp_path / "tiny")
     engine = Engine(EngineConfig(str(folder), (SlabClass(32, 6), SlabClass(128, 2)), max_seqs=8, step_tokens=64,
-                                 buckets=(1, 8, 64), queue_limit=16))
+                                 buckets=(1, 8, 64), queue_limit=16, weight_format=weights))
     before = _addresses(engine)
     rng = random.Random(1234)
     live: set[str] = set()

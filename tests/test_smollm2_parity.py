@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _models import smollm2_path
+from slabserve.kernels import cpu_native
 from slabserve.runtime.loader import open_model
 from slabserve.runtime.model import build_step, default_gemm
 from slabserve.runtime.step import SeqChunk, StepInputs
@@ -97,13 +98,20 @@ def test_smollm2_greedy_matches_transformers(prompt_ids, reference):
     assert every_step < 1e-3, f"logits differ by up to {every_step:.3g} over {NEW_TOKENS} steps"
 
 
+@pytest.mark.parametrize("weights", ["float", pytest.param("gguf", marks=pytest.mark.skipif(
+    not cpu_native.available(), reason="GGUF blocks need the native CPU kernels"))])
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "16-together"])
-def test_engine_greedy_matches_transformers(prompt_ids, reference, batched):
+def test_engine_greedy_matches_transformers(prompt_ids, reference, batched, weights):
+    """`weights` gguf: the file's Q4_1 and Q8_0 blocks stay in the weight arena and the native kernels decode them
+    in registers; transformers runs on the same file dequantized by the gguf package."""
     from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
     from slabserve.runtime.slab_allocator import SlabClass
 
     ref, _ = reference
-    engine = Engine(EngineConfig(str(smollm2_path()), (SlabClass(256, 16),), max_seqs=16, step_tokens=256))
+    engine = Engine(EngineConfig(str(smollm2_path()), (SlabClass(256, 16),), max_seqs=16, step_tokens=256,
+                                 weight_format=weights))
+    assert {s.block_type for s in engine.step_fn.weight_slots if s.block_type} == (
+        {"Q4_1", "Q8_0"} if weights == "gguf" else set())
     stopping = StoppingOptions(max_tokens=NEW_TOKENS, ignore_eos=True)
     if batched:  # 16 requests in flight at once: the five prompts, repeated
         prompts = [prompt_ids[i % len(prompt_ids)] for i in range(16)]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _models import make_hf_model, smollm2_path
+from slabserve.kernels import cpu_native
 from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
 from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                                         PlanViolationError, allocations, count_allocations, plan_sequential)
@@ -83,9 +84,15 @@ def test_detector_sees_an_allocation(tiny):
 # ---- the engine's warm-up check (SmolLM2: the tiny random models have no tokenizer)
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(EngineConfig(str(smollm2_path()), (SlabClass(64, 2),), max_seqs=2, step_tokens=4, buckets=(1, 4)))
+WEIGHT_FORMATS = ["float", pytest.param("gguf", marks=pytest.mark.skipif(
+    not cpu_native.available(), reason="GGUF blocks need the native CPU kernels"))]
+
+
+@pytest.fixture(scope="module", params=WEIGHT_FORMATS)
+def engine(request):
+    """SmolLM2 with its weights dequantized to fp32 (float) or kept in the file's Q4_1/Q8_0 blocks (gguf)."""
+    return Engine(EngineConfig(str(smollm2_path()), (SlabClass(64, 2),), max_seqs=2, step_tokens=4, buckets=(1, 4),
+                               weight_format=request.param))
 
 
 def test_engine_warm_up_passes_and_serves(engine):

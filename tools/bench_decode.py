@@ -2,11 +2,15 @@
 bandwidth limit (weight bytes read per decode step over the machine's measured bandwidth).
 
     .venv/bin/python tools/bench_decode.py [--model PATH] [--batches 1 8 32] [--steps 32] [--prompt 64]
-                                           [--gemm aten|native] [--json FILE]
+                                           [--gemm aten|native] [--weights float gguf] [--prefill 2048]
+                                           [--json FILE]
 
-Both sides load the same tensors (slabserve's loader dequantizes the GGUF once; transformers gets the HF-named
-tensors in a config built from the same ModelConfig), run fp32 on the CPU, prefill `--prompt` tokens per sequence
-and then time `--steps` decode steps at each batch size. Run it on a quiet machine: it reports one run, not a
+Both sides load the same tensors (transformers gets the HF-named tensors, dequantized by the gguf package, in a
+config built from the same ModelConfig), run fp32 activations on the CPU, prefill `--prompt` tokens per sequence
+and then time `--steps` decode steps at each batch size. slabserve runs once per weight format of `--weights`
+(default: float, and gguf too when the model is a quantized GGUF and the native kernels run here): `float`
+dequantizes every weight once at load, `gguf` keeps the file's blocks in the arena. `--prefill N` also times one
+N-token prompt from submit to its first token (0 skips it). Run it on a quiet machine: it reports one run, not a
 statistic over runs, and other processes on a 2-core box move the figures by 2x.
 
 Two limits are printed. "copy": the weight bytes over a memcpy's rate counted as bytes copied per second (the
@@ -66,6 +70,11 @@ def decode_weight_bytes(engine: Engine) -> int:
                if name not in ("w_embed", "rope_cos_sin"))
 
 
+def weight_arena_bytes(engine: Engine) -> int:
+    """Every weight the step holds (the RoPE table is not a weight)."""
+    return sum(b.numel() * b.element_size() for name, b in engine.step_fn.named_buffers() if name != "rope_cos_sin")
+
+
 def bench_slabserve(engine: Engine, batch: int, prompt: int, steps: int) -> float:
     """Decode tokens/s through Engine.step (scheduling, the step, sampling) once every sequence is decoding."""
     stopping = StoppingOptions(max_tokens=steps + 2, ignore_eos=True)
@@ -84,6 +93,21 @@ def bench_slabserve(engine: Engine, batch: int, prompt: int, steps: int) -> floa
     while engine.has_work():
         engine.step()
     return batch * steps / elapsed
+
+
+def bench_prefill(engine: Engine, tokens: int) -> float:
+    """Prompt tokens/s of one `tokens`-long prompt, from submit to its first token (the prefill chunks of
+    step_tokens rows each, then sampling)."""
+    stopping = StoppingOptions(max_tokens=1, ignore_eos=True)
+    warm = engine.submit([(11 * j) % 1000 + 10 for j in range(min(tokens, 300))], stopping=stopping)
+    while engine.has_work():
+        engine.step()
+    del warm
+    start = time.perf_counter()
+    engine.submit([(13 * j) % 1000 + 10 for j in range(tokens)], stopping=stopping)
+    while engine.has_work():
+        engine.step()
+    return tokens / (time.perf_counter() - start)
 
 
 def hf_model(source):
@@ -125,38 +149,67 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--gemm", choices=("aten", "native"), help="matmul path (default: what a plan would take "
                         "on this machine, runtime.model.default_gemm)")
+    parser.add_argument("--weights", nargs="+", choices=("float", "gguf", "q8_0"),
+                        help="weight formats to run side by side (default: float, plus gguf for a quantized GGUF)")
+    parser.add_argument("--prefill", type=int, default=2048, help="also time one prompt of this many tokens (0: no)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
 
     source = open_model(args.model)
-    slab = args.prompt + args.steps + 8
-    engine = Engine(EngineConfig(args.model, (SlabClass(slab, max(args.batches)),), max_seqs=max(args.batches),
-                                 step_tokens=max(256, max(args.batches)), gemm=args.gemm), source)
+    formats = args.weights or ["float"] + (["gguf"] if _keeps_blocks(source, args.gemm) else [])
+    slab = max(args.prompt + args.steps + 8, args.prefill + 8)
+    engines = {fmt: Engine(EngineConfig(args.model, (SlabClass(slab, max(args.batches)),),
+                                        max_seqs=max(args.batches), step_tokens=max(256, max(args.batches)),
+                                        gemm=args.gemm, weight_format=fmt), source) for fmt in formats}
     reference = hf_model(source)
     bandwidth, read = copy_bandwidth(), read_bandwidth()
-    weight_bytes = decode_weight_bytes(engine)
-    limit = bandwidth / weight_bytes  # steps per second if every step only streamed its weights once
-    read_limit = read / weight_bytes
-    rows = []
+    report: dict = {"bandwidth_bytes_s": bandwidth, "read_bandwidth_bytes_s": read, "formats": {}}
+    for fmt, engine in engines.items():  # side by side: every format and transformers at one batch, in turn
+        weight_bytes = decode_weight_bytes(engine)
+        report["formats"][fmt] = {"gemm": engine.gemm, "weight_bytes": weight_bytes,
+                                  "weight_arena_bytes": weight_arena_bytes(engine), "rows": []}
+    theirs = {}
     for batch in args.batches:
-        ours = bench_slabserve(engine, batch, args.prompt, args.steps)
-        theirs = bench_transformers(reference, batch, args.prompt, args.steps)
-        rows.append({"batch": batch, "slabserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
-                     "bandwidth_limit_tok_s": limit * batch, "share_of_limit": ours / (limit * batch),
-                     "read_limit_tok_s": read_limit * batch, "share_of_read_limit": ours / (read_limit * batch)})
-    print(f"gemm {engine.gemm}; weights read per decode step {weight_bytes / 1e6:.0f} MB; copy bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s (limit {limit:.1f} steps/s); read bandwidth {read / 1e9:.1f} GB/s "
-          f"(limit {read_limit:.1f} steps/s)")
-    print(f"{'batch':>5} {'slabserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6} {'of copy limit':>14} "
-          f"{'of read limit':>14}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['slabserve_tok_s']:>16.1f} {r['transformers_tok_s']:>19.1f} {r['ratio']:>6.2f} "
-              f"{r['share_of_limit']:>13.0%} {r['share_of_read_limit']:>13.0%}")
+        theirs[batch] = bench_transformers(reference, batch, args.prompt, args.steps)
+        for fmt, engine in engines.items():
+            entry = report["formats"][fmt]
+            limit = bandwidth / entry["weight_bytes"]  # steps per second if a step only streamed its weights once
+            read_limit = read / entry["weight_bytes"]
+            ours = bench_slabserve(engine, batch, args.prompt, args.steps)
+            entry["rows"].append({
+                "batch": batch, "slabserve_tok_s": ours, "transformers_tok_s": theirs[batch],
+                "ratio": ours / theirs[batch], "bandwidth_limit_tok_s": limit * batch,
+                "share_of_limit": ours / (limit * batch), "read_limit_tok_s": read_limit * batch,
+                "share_of_read_limit": ours / (read_limit * batch)})
+    if args.prefill:
+        for fmt, engine in engines.items():
+            report["formats"][fmt]["prefill_tokens"] = args.prefill
+            report["formats"][fmt]["prefill_tok_s"] = bench_prefill(engine, args.prefill)
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; read bandwidth {read / 1e9:.1f} GB/s")
+    base = report["formats"][formats[0]]
+    for fmt, entry in report["formats"].items():
+        print(f"\nweights {fmt} (gemm {entry['gemm']}): arena {entry['weight_arena_bytes'] / 1e6:.0f} MB, "
+              f"{entry['weight_bytes'] / 1e6:.0f} MB read per decode step")
+        print(f"{'batch':>5} {'slabserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6} "
+              f"{'vs ' + formats[0]:>10} {'of copy limit':>14} {'of read limit':>14}")
+        for r, b in zip(entry["rows"], base["rows"]):
+            print(f"{r['batch']:>5} {r['slabserve_tok_s']:>16.1f} {r['transformers_tok_s']:>19.1f} "
+                  f"{r['ratio']:>6.2f} {r['slabserve_tok_s'] / b['slabserve_tok_s']:>10.2f} "
+                  f"{r['share_of_limit']:>13.0%} {r['share_of_read_limit']:>13.0%}")
+        if "prefill_tok_s" in entry:
+            print(f"prefill of one {entry['prefill_tokens']}-token prompt: {entry['prefill_tok_s']:.0f} tok/s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"gemm": engine.gemm, "bandwidth_bytes_s": bandwidth,
-                                               "read_bandwidth_bytes_s": read, "weight_bytes": weight_bytes,
-                                               "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _keeps_blocks(source, gemm: str | None) -> bool:
+    """Whether a plan could keep this model's blocks here (the `weight_format: auto` rule of compiler.build)."""
+    from slabserve.kernels import cpu_native
+
+    types = source.tensor_types() if hasattr(source, "tensor_types") else None
+    return (bool(types) and any(t not in ("F32", "F16", "BF16") for t in types.values())
+            and cpu_native.available() and gemm in (None, "native"))
 
 
 if __name__ == "__main__":
