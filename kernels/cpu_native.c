@@ -1,5 +1,9 @@
 /* slabserve's native CPU kernels: fp32, AVX2 + FMA, threaded with OpenMP.
  *
+ * Built twice from this source (kernels/cpu_native.py): for AVX2, and with AVX-512 F/BW/VL/DQ enabled for the CPUs
+ * that have it, where the quantized dot products run in 16 lanes, decode 4-bit blocks by table lookup (vpermps)
+ * and tile 6 rows of x (32 registers). The rest is the same code in both builds.
+ *
  * Built and loaded by kernels/cpu_native.py (ctypes), after torch is imported, so `#pragma omp` runs on the
  * OpenMP runtime torch already loaded: one thread pool for ATen, MKL and these kernels, never two competing
  * for the cores. The thread count is the calling thread's OpenMP setting, which torch.set_num_threads sets.
@@ -28,6 +32,11 @@
 
 int slabserve_cpu_supported(void) {
     __builtin_cpu_init();
+#ifdef __AVX512F__
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+        return 0;
+#endif
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
@@ -507,17 +516,28 @@ int slabserve_kv_write_f32(int64_t T, int64_t width, const float *k, int64_t ldk
  * Weights kept in the GGUF file's own block formats (the plan's `weight_format: gguf`): a (N, K) projection is N rows
  * of K / block_size blocks each, as the file stores them (row n is output feature n). linear_q computes y (M, N)
  * = x (M, K) @ W^T (+ residual) with fp32 activations: each task dequantizes a group of rows into fp32 on its stack
- * (the exact values the `gguf` package's dequantize gives: the same products and sums in fp32, never fused) and
- * multiplies them by every row of x while they sit in L1/L2, so a prefill chunk dequantizes each row once, not once
- * per token. Row (i, n) of the result is one 8-lane FMA chain over k in order, summed across lanes the same way,
+ * and multiplies them by every row of x while they sit in L1/L2, so a prefill chunk dequantizes each row once, not
+ * once per token; a lone row (decode) decodes each block in registers instead (gemv_blocks32), to the same values.
+ * Those values are the `gguf` package's except that Q4_1's d * q + m and Q4_K's (d * sc) * q - dmin * m are one fused
+ * multiply-add (within half an ulp of the weight; results stay within 1e-5 relative of the gguf package's
+ * dequantization followed by an fp32 matmul); the embedding (embed_q) gives the package's values exactly. Row (i, n) of the result is one 8-lane FMA chain over k in order, summed across lanes the same way,
  * whatever M is and however the rows are tiled: a token's result never depends on the chunk or batch it sits in. */
 
 enum { WT_F32 = 0, WT_F16 = 1, WT_Q4_0 = 2, WT_Q4_1 = 3, WT_Q8_0 = 8, WT_Q4_K = 12, WT_Q6_K = 14, WT_BF16 = 30 };
 
-static inline float f16_to_f32(const uint8_t *p) {
+/* Every half-precision value as a float (256 KB, filled when the library loads): a block's scales are read with
+ * two loads instead of an insert, a convert and a broadcast, which all compete for the shuffle port the nibble
+ * lookups need. The values are exactly vcvtph2ps's. */
+static float f16_table[1 << 16];
+
+__attribute__((constructor)) static void fill_f16_table(void) {
+    for (uint32_t h = 0; h < (1u << 16); h++) f16_table[h] = _cvtsh_ss((uint16_t)h);
+}
+
+static inline __attribute__((always_inline)) float f16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
+    return f16_table[h];
 }
 
 /* 16 bytes of packed nibbles -> their 32 values in two 16-byte vectors: low nibbles (elements 0..15), high
@@ -535,8 +555,55 @@ static inline void u8x16_to_f32(__m128i b, __m256 *a, __m256 *c) {
     *c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
 }
 
-/* One row of K weights of `type` (K a multiple of the type's block size) -> K floats. */
-static void dequant_row(int type, const uint8_t *src, int64_t K, float *dst) {
+/* 16 bytes of packed nibbles -> their 32 values minus 8 as signed bytes (Q4_0's q - 8, exact). */
+static inline void nibbles_minus8(const uint8_t *qs, __m128i *lo, __m128i *hi) {
+    const __m128i eight = _mm_set1_epi8(8);
+    nibbles(qs, lo, hi);
+    *lo = _mm_sub_epi8(*lo, eight);
+    *hi = _mm_sub_epi8(*hi, eight);
+}
+
+/* 16 signed bytes -> two vectors of 8 floats (exact). */
+static inline void i8x16_to_f32(__m128i b, __m256 *a, __m256 *c) {
+    *a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    *c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+
+/* a * b + c: the gguf package's two roundings when `exact`, else one fused multiply-add (what the matmul kernels
+ * decode: within half an ulp of the exact weight, and one instruction instead of two in the innermost loop). */
+static inline __attribute__((always_inline)) __m256 mul_add(int exact, __m256 a, __m256 b, __m256 c) {
+    return exact ? _mm256_add_ps(_mm256_mul_ps(a, b), c) : _mm256_fmadd_ps(a, b, c);
+}
+
+/* The four 8-float vectors of one 32-weight block of Q4_0 (18 bytes: d, 16 bytes of nibbles; w = d * (q - 8)),
+ * Q4_1 (20 bytes: d, m, nibbles; w = d * q + m, fused unless `exact`) or Q8_0 (34 bytes: d, 32 int8; w = d * q);
+ * `type` and `exact` constants after inlining. */
+static inline __attribute__((always_inline)) void block32(int type, const uint8_t *blk, __m256 v[4], int exact) {
+    __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+    if (type == WT_Q8_0) {
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i)))), d);
+        return;
+    }
+    __m128i lo, hi;
+    if (type == WT_Q4_0) {
+        nibbles_minus8(blk + 2, &lo, &hi);
+        i8x16_to_f32(lo, &v[0], &v[1]);
+        i8x16_to_f32(hi, &v[2], &v[3]);
+        for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(d, v[i]);
+        return;
+    }
+    __m256 m = _mm256_set1_ps(f16_to_f32(blk + 2));
+    nibbles(blk + 4, &lo, &hi);
+    u8x16_to_f32(lo, &v[0], &v[1]);
+    u8x16_to_f32(hi, &v[2], &v[3]);
+    for (int i = 0; i < 4; i++) v[i] = mul_add(exact, d, v[i], m);
+}
+
+/* One row of K weights of `type` (K a multiple of the type's block size) -> K floats: exactly the `gguf` package's
+ * values when `exact` (the embedding), else the values the matmul kernels multiply (block32's: Q4_1 and Q4_K
+ * weights as one fused multiply-add each; every other type is exact either way). */
+static void dequant_row(int type, const uint8_t *src, int64_t K, float *dst, int exact) {
     if (type == WT_F32) {
         memcpy(dst, src, K * sizeof(float));
     } else if (type == WT_F16) {
@@ -552,28 +619,16 @@ static void dequant_row(int type, const uint8_t *src, int64_t K, float *dst) {
                 _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
             }
         }
-    } else if (type == WT_Q4_0) {  /* 18 bytes: d, 16 bytes of nibbles; w = d * (q - 8) */
-        const __m256 eight = _mm256_set1_ps(8.0f);
-        for (int64_t b = 0; b < K / 32; b++, src += 18, dst += 32) {
-            __m256 d = _mm256_set1_ps(f16_to_f32(src)), v[4];
-            __m128i lo, hi;
-            nibbles(src + 2, &lo, &hi);
-            u8x16_to_f32(lo, &v[0], &v[1]);
-            u8x16_to_f32(hi, &v[2], &v[3]);
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(d, _mm256_sub_ps(v[i], eight)));
-        }
-    } else if (type == WT_Q4_1) {  /* 20 bytes: d, m, 16 bytes of nibbles; w = d * q + m */
-        for (int64_t b = 0; b < K / 32; b++, src += 20, dst += 32) {
-            __m256 d = _mm256_set1_ps(f16_to_f32(src)), m = _mm256_set1_ps(f16_to_f32(src + 2)), v[4];
-            __m128i lo, hi;
-            nibbles(src + 4, &lo, &hi);
-            u8x16_to_f32(lo, &v[0], &v[1]);
-            u8x16_to_f32(hi, &v[2], &v[3]);
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_add_ps(_mm256_mul_ps(d, v[i]), m));
+    } else if (type == WT_Q4_0 || type == WT_Q4_1) {
+        for (int64_t b = 0; b < K / 32; b++, dst += 32) {
+            __m256 v[4];
+            block32(type, src, v, exact);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, v[i]);
+            src += type == WT_Q4_0 ? 18 : 20;
         }
     } else if (type == WT_Q4_K) {
         /* 144 bytes per 256: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of
-         * nibbles: bytes 32j..32j+31 hold sub-block 2j (low nibbles) and 2j+1 (high). w = (d * sc) * q - dmin * m */
+         * nibbles: bytes 32j..32j+31 hold sub-block 2j (low nibbles) and 2j+1 (high). w = (d * sc) * q - dmin * m (fused: see mul_add) */
         for (int64_t b = 0; b < K / 256; b++, src += 144, dst += 256) {
             float d = f16_to_f32(src), dmin = f16_to_f32(src + 2);
             const uint8_t *s = src + 4, *qs = src + 16;
@@ -586,14 +641,14 @@ static void dequant_row(int type, const uint8_t *src, int64_t K, float *dst) {
                     sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
                     mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
                 }
-                __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(dmin * (float)mn);
+                __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(-(dmin * (float)mn));
                 const uint8_t *q = qs + 32 * (j / 2);
                 int shift = 4 * (j % 2);
                 for (int i = 0; i < 32; i += 8) {
                     __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + i));
                     __m256i v = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes), shift),
                                                  _mm256_set1_epi32(0x0F));
-                    _mm256_storeu_ps(dst + 32 * j + i, _mm256_sub_ps(_mm256_mul_ps(ds, _mm256_cvtepi32_ps(v)), dm));
+                    _mm256_storeu_ps(dst + 32 * j + i, mul_add(exact, ds, _mm256_cvtepi32_ps(v), dm));
                 }
             }
         }
@@ -635,73 +690,115 @@ int64_t slabserve_quant_row_bytes(int64_t type, int64_t K) {
     }
 }
 
-/* `mr` rows of x (1..3) times `nr` dequantized rows of w (1..8 when mr is 1, else 1..4), each (i, j) one 8-lane
- * FMA chain over K in order then summed across lanes by hsum256: the arithmetic of a result never depends on the
- * tile it is computed in. */
+/* The dot products below run in the widest vectors the build has: 16 lanes where it is compiled for AVX-512 (the
+ * library cpu_native.py loads on a CPU with AVX-512 F/BW/VL), else 8. Within one build every product takes the same
+ * lanes in the same order, whichever kernel computes it. */
+#ifdef __AVX512F__
+typedef __m512 vf;
+#define VL 16
+static inline __attribute__((always_inline)) vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+/* The last 8 floats of a row of K = 8 mod 16, zero-filled to 16 lanes: they add exact zeros to lanes 8..15. */
+static inline __attribute__((always_inline)) vf vf_load8(const float *p) { return _mm512_maskz_loadu_ps(0x00FF, p); }
+static inline __attribute__((always_inline)) vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline __attribute__((always_inline)) vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline __attribute__((always_inline)) vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline __attribute__((always_inline)) vf vf_set1(float f) { return _mm512_set1_ps(f); }
+static inline __attribute__((always_inline)) vf vf_i32(__m512i v) { return _mm512_cvtepi32_ps(v); }
+static inline __attribute__((always_inline)) float vf_sum(vf v) {
+    return hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+/* A block of 32 weights as 2 vectors: elements 0..15, 16..31. */
+static inline __attribute__((always_inline)) void block32v(int type, const uint8_t *blk, vf v[2]) {
+    vf d = vf_set1(f16_to_f32(blk));
+    if (type == WT_Q8_0) {
+        for (int i = 0; i < 2; i++)
+            v[i] = vf_mul(vf_i32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * i)))), d);
+        return;
+    }
+    /* 4-bit blocks: the block's 16 possible weights as a table (one multiply or fused multiply-add for 16 values,
+     * the same values block32 computes per weight), looked up by each nibble (vpermps reads an index's low 4 bits):
+     * a widen, a shift and two lookups per 32 weights instead of a widen, a convert and a multiply per 16. */
+    const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (type == WT_Q4_1 ? 4 : 2))));
+    vf table;
+    if (type == WT_Q4_0) {
+        table = vf_mul(d, _mm512_sub_ps(iota, vf_set1(8.0f)));
+    } else {
+        table = vf_fma(d, iota, vf_set1(f16_to_f32(blk + 2)));
+    }
+    v[0] = _mm512_permutexvar_ps(q, table);
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+}
+#define GEMV_ROWS 8  /* weight rows per pass of gemv_blocks32: 8 accumulators, of 32 registers */
+#define TILE_M 6     /* rows of x per dot_tile: 6 x 4 accumulators, of 32 registers */
+#else
+typedef __m256 vf;
+#define VL 8
+static inline __attribute__((always_inline)) vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline __attribute__((always_inline)) vf vf_load8(const float *p) { return _mm256_loadu_ps(p); }
+static inline __attribute__((always_inline)) vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline __attribute__((always_inline)) vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline __attribute__((always_inline)) float vf_sum(vf v) { return hsum256(v); }
+static inline __attribute__((always_inline)) void block32v(int type, const uint8_t *blk, vf v[4]) {
+    block32(type, blk, v, 0);
+}
+#define GEMV_ROWS 4  /* 8 rows spill the 16 ymm registers */
+#define TILE_M 3     /* rows of x per dot_tile: 3 x 4 accumulators, of 16 registers */
+#endif
+
+/* `mr` rows of x (1..TILE_M) times `nr` dequantized rows of w (1..8 when mr is 1, else 1..4), each (i, j) one VL-lane
+ * FMA chain over k in order then summed across lanes by vf_sum: the arithmetic of a result never depends on the
+ * tile it is computed in. K is a multiple of 8. */
 static inline __attribute__((always_inline)) void dot_tile(int mr, int nr, int64_t K, const float *x, int64_t ldx,
                                                            const float *w, float *y, int64_t ldy,
                                                            const float *r, int64_t ldr) {
-    __m256 c[3][8];
+    vf c[TILE_M][8];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) c[i][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 a[3];
-        for (int i = 0; i < mr; i++) a[i] = _mm256_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < nr; j++) c[i][j] = vf_zero();
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf a[TILE_M];
+        for (int i = 0; i < mr; i++) a[i] = vf_load(x + i * ldx + k);
         for (int j = 0; j < nr; j++) {
-            __m256 b = _mm256_loadu_ps(w + j * K + k);
-            for (int i = 0; i < mr; i++) c[i][j] = _mm256_fmadd_ps(a[i], b, c[i][j]);
+            vf b = vf_load(w + j * K + k);
+            for (int i = 0; i < mr; i++) c[i][j] = vf_fma(a[i], b, c[i][j]);
+        }
+    }
+    if (k < K) {  /* AVX-512 only: 8 floats left */
+        vf a[TILE_M];
+        for (int i = 0; i < mr; i++) a[i] = vf_load8(x + i * ldx + k);
+        for (int j = 0; j < nr; j++) {
+            vf b = vf_load8(w + j * K + k);
+            for (int i = 0; i < mr; i++) c[i][j] = vf_fma(a[i], b, c[i][j]);
         }
     }
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) {
-            float v = hsum256(c[i][j]);
+            float v = vf_sum(c[i][j]);
             y[i * ldy + j] = r ? v + r[i * ldr + j] : v;
         }
 }
 
-/* The four 8-float vectors of one 32-weight block of Q4_0, Q4_1 or Q8_0 (`type` a constant after inlining): the
- * same values dequant_row stores, computed the same way. */
-static inline __attribute__((always_inline)) void block32(int type, const uint8_t *blk, __m256 v[4]) {
-    if (type == WT_Q8_0) {
-        __m256 d = _mm256_set1_ps(f16_to_f32(blk));
-        for (int i = 0; i < 4; i++)
-            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i)))), d);
-        return;
-    }
-    __m128i lo, hi;
-    nibbles(blk + (type == WT_Q4_1 ? 4 : 2), &lo, &hi);
-    u8x16_to_f32(lo, &v[0], &v[1]);
-    u8x16_to_f32(hi, &v[2], &v[3]);
-    __m256 d = _mm256_set1_ps(f16_to_f32(blk));
-    if (type == WT_Q4_1) {
-        __m256 m = _mm256_set1_ps(f16_to_f32(blk + 2));
-        for (int i = 0; i < 4; i++) v[i] = _mm256_add_ps(_mm256_mul_ps(d, v[i]), m);
-    } else {
-        const __m256 eight = _mm256_set1_ps(8.0f);
-        for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(d, _mm256_sub_ps(v[i], eight));
-    }
-}
-
-/* One row of x times `nr` (<= 8; 8 when `full`) rows of 32-weight blocks, dequantized in registers: each (row, n)
- * is the 8-lane FMA chain over k in order of dot_tile, on the values dequant_row gives, so the result is the same
- * bits the scratch path computes for the same row in any batch. */
+/* One row of x times `nr` (<= GEMV_ROWS) rows of 32-weight blocks, dequantized in registers: each (row, n) is the
+ * VL-lane FMA chain over k in order of dot_tile, on the values dequant_row gives, so the result is the same bits the
+ * scratch path computes for the same row in any batch. */
 static inline __attribute__((always_inline)) void gemv_blocks32(int type, int nr, int64_t K, const float *x,
                                                                 const uint8_t *w, int64_t row_bytes, float *y,
                                                                 const float *r) {
     int bb = type == WT_Q8_0 ? 34 : type == WT_Q4_1 ? 20 : 18;
-    __m256 acc[8];
-    for (int j = 0; j < nr; j++) acc[j] = _mm256_setzero_ps();
+    vf acc[GEMV_ROWS];
+    for (int j = 0; j < nr; j++) acc[j] = vf_zero();
     for (int64_t b = 0; b < K / 32; b++) {
-        __m256 xv[4];
-        for (int i = 0; i < 4; i++) xv[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+        vf xv[32 / VL];
+        for (int i = 0; i < 32 / VL; i++) xv[i] = vf_load(x + 32 * b + VL * i);
         for (int j = 0; j < nr; j++) {
-            __m256 v[4];
-            block32(type, w + j * row_bytes + b * bb, v);
-            for (int i = 0; i < 4; i++) acc[j] = _mm256_fmadd_ps(xv[i], v[i], acc[j]);
+            vf v[32 / VL];
+            block32v(type, w + j * row_bytes + b * bb, v);
+            for (int i = 0; i < 32 / VL; i++) acc[j] = vf_fma(xv[i], v[i], acc[j]);
         }
     }
     for (int j = 0; j < nr; j++) {
-        float s = hsum256(acc[j]);
+        float s = vf_sum(acc[j]);
         y[j] = r ? s + r[j] : s;
     }
 }
@@ -711,7 +808,8 @@ static void gemv_blocks32_any(int type, int nr, int64_t K, const float *x, const
 #define GEMV_CASE(T)                                                                                       \
     if (type == T) {                                                                                       \
         int j = 0;                                                                                         \
-        for (; j + 4 <= nr; j += 4) gemv_blocks32(T, 4, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL); \
+        for (; j + GEMV_ROWS <= nr; j += GEMV_ROWS)                                                        \
+            gemv_blocks32(T, GEMV_ROWS, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL);      \
         for (; j < nr; j++) gemv_blocks32(T, 1, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL); \
         return;                                                                                            \
     }
@@ -743,12 +841,15 @@ static void rows_times_dequantized(int64_t M, int nr, int64_t K, const float *x,
     }
     for (int j = 0; j < nr; j += 4) {
         int n = nr - j < 4 ? nr - j : 4;
-        for (int64_t m = 0; m < M; m += 3) {
-            int mr = M - m < 3 ? (int)(M - m) : 3;
+        for (int64_t m = 0, mr; m < M; m += mr) {
+            mr = M - m >= TILE_M ? TILE_M : M - m >= 3 ? 3 : (int)(M - m);  /* a tail of 4 or 5 rows: 3, then 1-2 */
             const float *xm = x + m * ldx, *rm = r ? r + m * ldr + j : NULL;
             float *ym = y + m * ldy + j;
             const float *wj = w + j * K;
-            if (mr == 3 && n == 4) dot_tile(3, 4, K, xm, ldx, wj, ym, ldy, rm, ldr);
+            if (mr == TILE_M && n == 4) dot_tile(TILE_M, 4, K, xm, ldx, wj, ym, ldy, rm, ldr);
+#if TILE_M > 3
+            else if (mr == 3 && n == 4) dot_tile(3, 4, K, xm, ldx, wj, ym, ldy, rm, ldr);
+#endif
             else if (mr == 2 && n == 4) dot_tile(2, 4, K, xm, ldx, wj, ym, ldy, rm, ldr);
             else if (mr == 1 && n == 4) dot_tile(1, 4, K, xm, ldx, wj, ym, ldy, rm, ldr);
             else
@@ -780,7 +881,7 @@ int slabserve_linear_q(int64_t M, int64_t N, int64_t K, const float *x, int64_t 
             continue;
         }
         float buf[rows * K];
-        for (int j = 0; j < nr; j++) dequant_row((int)type, w + (n0 + j) * row_bytes, K, buf + j * K);
+        for (int j = 0; j < nr; j++) dequant_row((int)type, w + (n0 + j) * row_bytes, K, buf + j * K, 0);
         rows_times_dequantized(M, nr, K, x, ldx, buf, y + n0, ldy, residual ? residual + n0 : NULL, ldr);
     }
     return 0;
@@ -794,6 +895,6 @@ int slabserve_embed_q(int64_t T, const int64_t *ids, int64_t V, int64_t K, const
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= V) return -1;
     #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
-    for (int64_t t = 0; t < T; t++) dequant_row((int)type, w + ids[t] * row_bytes, K, out + t * ldo);
+    for (int64_t t = 0; t < T; t++) dequant_row((int)type, w + ids[t] * row_bytes, K, out + t * ldo, 1);
     return 0;
 }

@@ -37,6 +37,11 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 # -ffp-contract=off: a product and a sum stay two roundings where the C says so (GGUF dequantization must give the
 # `gguf` package's values exactly: d * q + m, not fma(d, q, m)); the kernels ask for FMA by name where they want it.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+# One library per instruction set, from the same source: the AVX-512 build runs the quantized dot products in 16
+# lanes (cpu_native.c: `vf`). isa() picks the widest the CPU has; SLABSERVE_CPU_ISA=avx2 forces the narrower one.
+ISA_FLAGS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")}
+_ISA_CPU_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw",
+                                                              "avx512vl", "avx512dq"}}
 _LIBS = ("-lm",)
 _state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there is none (filled once)
 
@@ -66,15 +71,39 @@ def _compiler() -> str | None:
     return None
 
 
-def library_path() -> Path:
-    """Where the library built from the current source lives (whether or not it is built yet)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    return _cache_dir() / f"slabserve_cpu_{digest}.so"
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
-def build() -> Path:
-    """Compile the library if it is not in the cache yet; its path. Raises RuntimeError saying what failed."""
-    target = library_path()
+def isa() -> str:
+    """The instruction set the kernels are built for here: "avx512" where the CPU has AVX-512 F, BW, VL and DQ (and
+    the kernel enabled them), else "avx2"; $SLABSERVE_CPU_ISA (avx2 or avx512) overrides it, to test both paths."""
+    forced = os.environ.get("SLABSERVE_CPU_ISA")
+    if forced:
+        if forced not in ISA_FLAGS:
+            raise RuntimeError(f"SLABSERVE_CPU_ISA={forced!r} is not one of {', '.join(ISA_FLAGS)}")
+        return forced
+    return "avx512" if _ISA_CPU_FLAGS["avx512"] <= _cpu_flags() else "avx2"
+
+
+def library_path(which: str | None = None) -> Path:
+    """Where the library built from the current source for instruction set `which` (default: isa()) lives, whether
+    or not it is built yet."""
+    which = which or isa()
+    flags = _FLAGS + ISA_FLAGS[which]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    return _cache_dir() / f"slabserve_cpu_{which}_{digest}.so"
+
+
+def build(which: str | None = None) -> Path:
+    """Compile the library for `which` (default: isa()) if it is not in the cache yet; its path. Raises RuntimeError
+    saying what failed."""
+    which = which or isa()
+    target = library_path(which)
     if target.is_file():
         return target
     if sys.platform != "linux" or os.uname().machine not in ("x86_64", "AMD64"):
@@ -88,7 +117,8 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *_FLAGS, str(SOURCE), "-o", tmp, *_LIBS], capture_output=True, text=True)
+        done = subprocess.run([cc, *_FLAGS, *ISA_FLAGS[which], str(SOURCE), "-o", tmp, *_LIBS],
+                              capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -102,9 +132,12 @@ def _load() -> ctypes.CDLL | None:
     if "lib" in _state or "error" in _state:
         return _state.get("lib")  # type: ignore[return-value]
     try:
-        lib = ctypes.CDLL(str(build()))
+        which = isa()
+        lib = ctypes.CDLL(str(build(which)))
         if not lib.slabserve_cpu_supported():
-            raise RuntimeError("this CPU lacks AVX2, FMA or F16C, which the native CPU kernels need")
+            raise RuntimeError(f"this CPU lacks {'AVX-512 F/BW/VL/DQ or ' if which == 'avx512' else ''}AVX2, FMA "
+                               f"or F16C, which the native CPU kernels built for {which} need")
+        _state["isa"] = which
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -341,5 +374,5 @@ def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
 
 def status() -> str:
     """One line for logs and the Makefile: where the library is, or why the native kernels are unavailable."""
-    return f"native CPU kernels: {library_path()}" if available() else \
+    return f"native CPU kernels ({_state['isa']}): {library_path(_state['isa'])}" if available() else \
         f"native CPU kernels unavailable ({unavailable_reason()}); CPU plans use aten matmul"

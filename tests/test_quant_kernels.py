@@ -160,3 +160,42 @@ def test_q8_0_quantization_round_trips_through_the_gguf_package():
     rows = quant.quantize_q8_0(w)
     assert tuple(rows.shape) == (6, 68) and rows.dtype == torch.uint8
     torch.testing.assert_close(quant.dequantize(rows, "Q8_0", 64), w, atol=float(w.abs().max()) / 127, rtol=0)
+
+
+def test_the_instruction_set_is_the_widest_the_cpu_has_unless_forced(monkeypatch):
+    monkeypatch.delenv("SLABSERVE_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    assert cpu_native.isa() == "avx2"
+    monkeypatch.setattr(cpu_native, "_cpu_flags",
+                        lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert cpu_native.isa() == "avx512"
+    assert cpu_native.library_path("avx512").name.startswith("slabserve_cpu_avx512_")
+    assert cpu_native.library_path("avx2") != cpu_native.library_path("avx512")
+    monkeypatch.setenv("SLABSERVE_CPU_ISA", "avx2")
+    assert cpu_native.isa() == "avx2"
+    monkeypatch.setenv("SLABSERVE_CPU_ISA", "sse")
+    with pytest.raises(RuntimeError, match="SLABSERVE_CPU_ISA='sse' is not one of avx2, avx512"):
+        cpu_native.isa()
+
+
+@needs_native
+@pytest.mark.skipif(cpu_native.isa() != "avx512" or "SLABSERVE_CPU_ISA" in __import__("os").environ,
+                    reason="runs where the AVX-512 build is the default, to test the AVX2 build beside it")
+def test_the_avx2_build_passes_the_kernel_tests_too():
+    """On an AVX-512 machine the suite runs the AVX-512 library; the AVX2 one (what an AVX2-only CPU loads) runs the
+    same kernel tests here, in a process that forces it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tests / "test_quant_kernels.py"), str(tests / "test_cpu_native.py"),
+                           str(tests / "test_cpu_attention.py")],
+                          env={**os.environ, "SLABSERVE_CPU_ISA": "avx2"}, capture_output=True, text=True,
+                          cwd=tests.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "(avx2)" in subprocess.run(
+        [sys.executable, "-P", "-c", "from slabserve.kernels import cpu_native; print(cpu_native.status())"],
+        env={**os.environ, "SLABSERVE_CPU_ISA": "avx2"}, capture_output=True, text=True, check=True).stdout
