@@ -244,6 +244,32 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         libc.mallopt(m_arena_max, arenas)
 
 
+def on_a_passing_thread(fn: Callable[[], Any]) -> Any:
+    """fn() run on a thread of its own that ends when fn returns (its result, or its exception raised here).
+
+    For the work that builds an Engine before its loop starts (loading and packing weights, zeroing the KV arena):
+    those run OpenMP regions, and libgomp keeps a thread's team alive as long as the thread. With two teams alive
+    (the main thread's and the engine thread's) a process has more OpenMP threads than cores, and libgomp then
+    throttles its spin-wait to a few hundred iterations: between two kernels of a step the engine's workers fall
+    asleep, and every next kernel waits for a futex wake-up. On two cores that took a served decode step from 11 to
+    21 ms (tools/bench_served.py), while the same engine in a benchmark's single thread never saw it. A thread that
+    ends takes its team with it, so the engine thread's team is the only one left."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="engine_build")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
 def release_free_heap() -> None:
     """Give the pages malloc holds free back to the OS (glibc's malloc_trim). glibc returns only the top of a heap
     on its own, so after a burst the gRPC and Python buffers it freed would stay resident; the engine thread calls

@@ -22,7 +22,7 @@ from pathlib import Path
 from slabserve.runtime.access import Access
 from slabserve.runtime.edge import Limits
 from slabserve.runtime.engine import Engine, EngineConfig
-from slabserve.runtime.engine_loop import limit_malloc_arenas
+from slabserve.runtime.engine_loop import limit_malloc_arenas, on_a_passing_thread
 from slabserve.runtime.executor import PlanViolationError
 from slabserve.runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
 from slabserve.runtime.server import create_server
@@ -84,7 +84,8 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
 
         try:
             _check_memory(read_plan(args.bundle), args.memory_limit)  # before Engine.from_plan allocates anything
-            return Engine.from_plan(args.bundle, warm_up=False)  # server.warm_up runs it on the engine thread
+            # server.warm_up runs the warm-up on the engine thread; the build runs where its OpenMP team ends with it
+            return on_a_passing_thread(lambda: Engine.from_plan(args.bundle, warm_up=False))
         except (PlanFormatError, PlanMismatchError, PlanViolationError, ModelLoadError, GraphFormatError,
                 InsufficientMemoryError) as err:
             raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
@@ -92,8 +93,9 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
     for item in args.classes.split(","):
         tokens, _, count = item.partition("x")
         classes.append(SlabClass(int(tokens), int(count)))
-    return Engine(EngineConfig(args.model, tuple(classes), max_seqs=args.max_seqs, step_tokens=args.step_tokens,
-                               dtype=args.dtype, queue_limit=args.queue_limit), warm_up=False)
+    config = EngineConfig(args.model, tuple(classes), max_seqs=args.max_seqs, step_tokens=args.step_tokens,
+                          dtype=args.dtype, queue_limit=args.queue_limit)
+    return on_a_passing_thread(lambda: Engine(config, warm_up=False))
 
 
 def _check_memory(plan, limit_bytes: int | None) -> None:

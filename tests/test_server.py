@@ -440,3 +440,17 @@ def test_sigterm_drains_running_streams_then_exits_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_build_runs_on_a_passing_thread_and_reports_its_result_or_error():
+    """serve builds its Engine on a thread that ends (its OpenMP team goes with it: engine_loop.on_a_passing_thread)."""
+    import threading
+
+    from slabserve.runtime.engine_loop import on_a_passing_thread
+
+    seen = []
+    assert on_a_passing_thread(lambda: seen.append(threading.current_thread().name) or 7) == 7
+    assert seen == ["engine_build"]
+    with pytest.raises(ValueError, match="bad plan"):
+        on_a_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad plan")))
+    assert not any(t.name == "engine_build" for t in threading.enumerate())

@@ -65,9 +65,11 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
 
 
 def decode_weight_bytes(engine: Engine) -> int:
-    """Bytes a decode step must read: every packed weight except the embedding table (only B rows are read)."""
-    return sum(b.numel() * b.element_size() for name, b in engine.step_fn.named_buffers()
-               if name not in ("w_embed", "rope_cos_sin"))
+    """Bytes a decode step must read: every weight, less the embedding table when it is only gathered from (B rows);
+    a tied head that multiplies the table itself (the gguf format keeps one copy) reads all of it."""
+    buffers = dict(engine.step_fn.named_buffers())
+    skip = {"rope_cos_sin"} | ({"w_embed"} if "w_lm_head" in buffers else set())
+    return sum(b.numel() * b.element_size() for name, b in buffers.items() if name not in skip)
 
 
 def weight_arena_bytes(engine: Engine) -> int:
