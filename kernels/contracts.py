@@ -189,20 +189,25 @@ def panel_shape(k: int, n: int) -> tuple[int, int, int]:
 
 
 def check_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
-    op = "linear"
+    _check_rows_times_weight("linear", x, w, out, residual, panel_shape, torch.float32)
+
+
+def _check_rows_times_weight(op: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                             residual: torch.Tensor | None, w_shape, w_dtype: torch.dtype) -> None:
+    """x (M, K) and out (M, N) fp32 activations, residual like out, w contiguous of `w_dtype` and shape
+    w_shape(K, N), all on one device."""
     _expect_activation(op, "x", x, 2, torch.float32)
     _expect_activation(op, "out", out, 2, torch.float32)
     num_tokens, k = x.shape
     n = out.shape[1]
     _expect_shape(op, "out", out, (num_tokens, n))
-    _expect_shape(op, "w", w, panel_shape(k, n))
-    _expect_dtype(op, "w", w, (torch.float32,))
+    _expect_shape(op, "w", w, w_shape(k, n))
+    _expect_dtype(op, "w", w, (w_dtype,))
     _expect_contiguous(op, "w", w)
     if residual is not None:
         _expect_activation(op, "residual", residual, 2, torch.float32)
         _expect_shape(op, "residual", residual, (num_tokens, n))
     _expect_same_device(op, x=x, w=w, out=out, residual=residual)
-
 
 
 def _block_rows(op: str, ggml_id: int, k: int) -> int:
@@ -223,19 +228,8 @@ def check_linear_q(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual
                    qtype: int) -> None:
     """x (M, K) fp32, w (N, row_bytes) uint8 rows of GGUF blocks of type `qtype` (kernels.quant), out (M, N) fp32
     whose rows may be a column slice of a wider tensor (stride(1) 1), residual like out."""
-    op = "linear_q"
-    _expect_activation(op, "x", x, 2, torch.float32)
-    _expect_activation(op, "out", out, 2, torch.float32)
-    num_tokens, k = x.shape
-    n = out.shape[1]
-    _expect_shape(op, "out", out, (num_tokens, n))
-    _expect_shape(op, "w", w, (n, _block_rows(op, qtype, k)))
-    _expect_dtype(op, "w", w, (torch.uint8,))
-    _expect_contiguous(op, "w", w)
-    if residual is not None:
-        _expect_activation(op, "residual", residual, 2, torch.float32)
-        _expect_shape(op, "residual", residual, (num_tokens, n))
-    _expect_same_device(op, x=x, w=w, out=out, residual=residual)
+    _check_rows_times_weight("linear_q", x, w, out, residual,
+                             lambda k, n: (n, _block_rows("linear_q", qtype, k)), torch.uint8)
 
 
 def check_embed_q(ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype: int) -> None:

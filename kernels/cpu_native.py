@@ -187,15 +187,21 @@ def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- linear
 
 
+def _library_for(op: str, *tensors: torch.Tensor) -> ctypes.CDLL:
+    """The loaded library for a call of `op` on CPU `tensors`, or the error saying why the native kernel cannot run."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"{op}: the native CPU kernels are not available here: {unavailable_reason()}")
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"{op}: the native kernel takes CPU tensors only")
+    return lib
+
+
 def prepare_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                    residual: torch.Tensor | None = None) -> Callable[[], None]:
     """Check once and bind: `run()` computes out = x @ W (+ residual) with the native kernel."""
     check_linear(x, w, out, residual)
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"linear: the native CPU kernels are not available here: {unavailable_reason()}")
-    if x.device.type != "cpu":
-        raise ValueError("linear: the native kernel takes CPU tensors only")
+    lib = _library_for("linear", x)
     m, k = x.shape
     return _bind((x, w, out, residual), lib.slabserve_linear_f32, m, out.shape[1], k, x.data_ptr(), x.stride(0),
                  w.data_ptr(), out.data_ptr(), out.stride(0),
@@ -219,11 +225,7 @@ def prepare_linear_q(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residu
     """Check once and bind: `run()` computes out = x @ W^T (+ residual), W rows of GGUF blocks of GGML type `qtype`
     (kernels.quant), dequantized in the kernel with the `gguf` package's arithmetic."""
     contracts.check_linear_q(x, w, out, residual, qtype)
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"linear_q: the native CPU kernels are not available here: {unavailable_reason()}")
-    if x.device.type != "cpu":
-        raise ValueError("linear_q: the native kernel takes CPU tensors only")
+    lib = _library_for("linear_q", x)
     m, k = x.shape
     call = _bind((x, w, out, residual), lib.slabserve_linear_q, m, out.shape[1], k, x.data_ptr(), x.stride(0),
                  w.data_ptr(), w.shape[1], qtype, out.data_ptr(), out.stride(0),
@@ -241,9 +243,7 @@ def prepare_linear_q(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residu
 def prepare_embed_q(ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype: int) -> Callable[[], None]:
     """Check once and bind: `run()` writes row ids[t] of W (GGUF blocks of type `qtype`), dequantized, to out[t]."""
     contracts.check_embed_q(ids, w, out, qtype)
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"embed_q: the native CPU kernels are not available here: {unavailable_reason()}")
+    lib = _library_for("embed_q")
     if ids.stride(0) != 1:
         raise ValueError("embed_q: ids must be contiguous")
     call = _bind((ids, w, out), lib.slabserve_embed_q, ids.shape[0], ids.data_ptr(), w.shape[0], out.shape[1],
