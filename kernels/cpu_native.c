@@ -30,6 +30,16 @@
  * panel a prefetch of an unmapped address is dropped without a fault. */
 #define PREFETCH_ROWS 32
 
+/* The rows a row-wise kernel computes out of the M it was given: all of them when `live` is NULL, else the first
+ * *live (clamped to [0, M]). The engine passes the step's query_start[S], the count of real token rows of a padded
+ * bucket, so a step costs its tokens rather than its bucket; the rows past it are padding and are left as they were
+ * (nothing reads them: attention takes each sequence's rows from query_start, logits only real rows). */
+static inline int64_t live_rows(int64_t M, const int32_t *live) {
+    if (!live) return M;
+    int64_t n = *live;
+    return n < 0 ? 0 : (n < M ? n : M);
+}
+
 int slabserve_cpu_supported(void) {
     __builtin_cpu_init();
 #ifdef __AVX512F__
@@ -130,10 +140,11 @@ static void add_rows(int64_t M, float *y, int64_t ldy, const float *r, int64_t l
 }
 
 /* y = x @ W (+ residual when `residual` is not NULL; it must not overlap y). Row strides ldx, ldy, ldr in floats;
- * each row's values are contiguous. */
+ * each row's values are contiguous. `live`: see live_rows. */
 void slabserve_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *w,
-                          float *y, int64_t ldy, const float *residual, int64_t ldr) {
+                          float *y, int64_t ldy, const float *residual, int64_t ldr, const int32_t *live) {
     int64_t full = N / PANEL, cols = N % PANEL;
+    M = live_rows(M, live);
     if (M <= 0 || N <= 0) return;
     #pragma omp parallel for schedule(static) if (full > 1)
     for (int64_t j = 0; j < full; j++) {
@@ -398,7 +409,8 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
 #define ROWS_PER_THREAD 4
 
 void slabserve_rms_norm_f32(int64_t T, int64_t N, const float *x, int64_t ldx, const float *w, float eps,
-                            float *out, int64_t ldo) {
+                            float *out, int64_t ldo, const int32_t *live) {
+    T = live_rows(T, live);
     #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * ldx;
@@ -420,7 +432,9 @@ void slabserve_rms_norm_f32(int64_t T, int64_t N, const float *x, int64_t ldx, c
     }
 }
 
-void slabserve_silu_mul_f32(int64_t T, int64_t I, const float *gate_up, int64_t ldg, float *out, int64_t ldo) {
+void slabserve_silu_mul_f32(int64_t T, int64_t I, const float *gate_up, int64_t ldg, float *out, int64_t ldo,
+                            const int32_t *live) {
+    T = live_rows(T, live);
     #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * ldg, *u = g + I;
@@ -866,8 +880,10 @@ static void rows_times_dequantized(int64_t M, int nr, int64_t K, const float *x,
 #define MAX_QUANT_K 65536
 #define QSCRATCH_FLOATS 65536  /* 256 KB of stack per task at most: QROWS rows up to K = 8192, fewer beyond */
 int slabserve_linear_q(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const uint8_t *w,
-                       int64_t row_bytes, int64_t type, float *y, int64_t ldy, const float *residual, int64_t ldr) {
+                       int64_t row_bytes, int64_t type, float *y, int64_t ldy, const float *residual, int64_t ldr,
+                       const int32_t *live) {
     if (K <= 0 || K > MAX_QUANT_K || slabserve_quant_row_bytes(type, K) != row_bytes) return -1;
+    M = live_rows(M, live);
     if (M <= 0 || N <= 0) return 0;
     int64_t rows = QSCRATCH_FLOATS / K < QROWS ? QSCRATCH_FLOATS / K : QROWS;
     int64_t groups = (N + rows - 1) / rows;

@@ -47,14 +47,14 @@ _state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there 
 
 _I, _P, _F, _RC = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # C function -> (return type, argument types), as declared in cpu_native.c
-    "slabserve_linear_f32": (None, [_I, _I, _I, _P, _I, _P, _P, _I, _P, _I]),
+    "slabserve_linear_f32": (None, [_I, _I, _I, _P, _I, _P, _P, _I, _P, _I, _P]),
     "slabserve_slab_attention_f32": (_RC, [_I, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _F, _P, _I]),
-    "slabserve_rms_norm_f32": (None, [_I, _I, _P, _I, _P, _F, _P, _I]),
-    "slabserve_silu_mul_f32": (None, [_I, _I, _P, _I, _P, _I]),
+    "slabserve_rms_norm_f32": (None, [_I, _I, _P, _I, _P, _F, _P, _I, _P]),
+    "slabserve_silu_mul_f32": (None, [_I, _I, _P, _I, _P, _I, _P]),
     "slabserve_rope_f32": (_RC, [_I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I]),
     "slabserve_kv_write_f32": (_RC, [_I, _I, _P, _I, _P, _I, _P, _P, _P, _I, _I]),
     "slabserve_quant_row_bytes": (_I, [_I, _I]),
-    "slabserve_linear_q": (_RC, [_I, _I, _I, _P, _I, _P, _I, _I, _P, _I, _P, _I]),
+    "slabserve_linear_q": (_RC, [_I, _I, _I, _P, _I, _P, _I, _I, _P, _I, _P, _I, _P]),
     "slabserve_embed_q": (_RC, [_I, _P, _I, _I, _P, _I, _I, _P, _I]),
 }
 
@@ -197,21 +197,33 @@ def _library_for(op: str, *tensors: torch.Tensor) -> ctypes.CDLL:
     return lib
 
 
+def _live_pointer(op: str, rows: torch.Tensor | None) -> int | None:
+    """The address the kernel reads the live row count from at each call: rows[-1] (contracts.check_live_rows),
+    or None (every row)."""
+    if rows is None:
+        return None
+    contracts.check_live_rows(op, rows)
+    if rows.device.type != "cpu":
+        raise ValueError(f"{op}: rows must be a CPU tensor for the native kernel, got {rows.device}")
+    return rows.data_ptr() + (rows.shape[0] - 1) * rows.stride(0) * rows.element_size()
+
+
 def prepare_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                   residual: torch.Tensor | None = None) -> Callable[[], None]:
-    """Check once and bind: `run()` computes out = x @ W (+ residual) with the native kernel."""
+                   residual: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> Callable[[], None]:
+    """Check once and bind: `run()` computes out = x @ W (+ residual) with the native kernel, over the first
+    rows[-1] rows of x when `rows` is given."""
     check_linear(x, w, out, residual)
     lib = _library_for("linear", x)
     m, k = x.shape
-    return _bind((x, w, out, residual), lib.slabserve_linear_f32, m, out.shape[1], k, x.data_ptr(), x.stride(0),
-                 w.data_ptr(), out.data_ptr(), out.stride(0),
+    return _bind((x, w, out, residual, rows), lib.slabserve_linear_f32, m, out.shape[1], k, x.data_ptr(),
+                 x.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0),
                  residual.data_ptr() if residual is not None else None,
-                 residual.stride(0) if residual is not None else 0)
+                 residual.stride(0) if residual is not None else 0, _live_pointer("linear", rows))
 
 
 def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    prepare_linear(x, w, out, residual)()
+                  residual: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    prepare_linear(x, w, out, residual, rows)()
     return out
 
 
@@ -221,16 +233,17 @@ def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
 
 
 def prepare_linear_q(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
-                     qtype: int) -> Callable[[], None]:
+                     qtype: int, rows: torch.Tensor | None = None) -> Callable[[], None]:
     """Check once and bind: `run()` computes out = x @ W^T (+ residual), W rows of GGUF blocks of GGML type `qtype`
-    (kernels.quant), dequantized in the kernel with the `gguf` package's arithmetic."""
+    (kernels.quant), dequantized in the kernel with the `gguf` package's arithmetic; over the first rows[-1] rows
+    of x when `rows` is given."""
     contracts.check_linear_q(x, w, out, residual, qtype)
     lib = _library_for("linear_q", x)
     m, k = x.shape
-    call = _bind((x, w, out, residual), lib.slabserve_linear_q, m, out.shape[1], k, x.data_ptr(), x.stride(0),
-                 w.data_ptr(), w.shape[1], qtype, out.data_ptr(), out.stride(0),
+    call = _bind((x, w, out, residual, rows), lib.slabserve_linear_q, m, out.shape[1], k, x.data_ptr(),
+                 x.stride(0), w.data_ptr(), w.shape[1], qtype, out.data_ptr(), out.stride(0),
                  residual.data_ptr() if residual is not None else None,
-                 residual.stride(0) if residual is not None else 0)
+                 residual.stride(0) if residual is not None else 0, _live_pointer("linear_q", rows))
 
     def run() -> None:
         if call():
@@ -319,22 +332,23 @@ def _native_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 
 def prepare_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
-                     workspace: torch.Tensor | None = None) -> Callable[[], None]:
+                     workspace: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> Callable[[], None]:
     if not _native_f32(x, weight, out):
-        return reference.prepare_rms_norm(x, weight, eps, out, workspace)
+        return reference.prepare_rms_norm(x, weight, eps, out, workspace, rows)
     contracts.check_rms_norm(x, weight, out)
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
-    return _bind((x, weight, out), lib.slabserve_rms_norm_f32, x.shape[0], x.shape[1], x.data_ptr(), x.stride(0),
-                 weight.data_ptr(), eps, out.data_ptr(), out.stride(0))
+    return _bind((x, weight, out, rows), lib.slabserve_rms_norm_f32, x.shape[0], x.shape[1], x.data_ptr(),
+                 x.stride(0), weight.data_ptr(), eps, out.data_ptr(), out.stride(0), _live_pointer("rms_norm", rows))
 
 
-def prepare_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+def prepare_silu_mul(gate_up: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None
+                     ) -> Callable[[], None]:
     if not _native_f32(gate_up, out):
-        return reference.prepare_silu_mul(gate_up, out)
+        return reference.prepare_silu_mul(gate_up, out, rows)
     contracts.check_silu_mul(gate_up, out)
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
-    return _bind((gate_up, out), lib.slabserve_silu_mul_f32, out.shape[0], out.shape[1], gate_up.data_ptr(),
-                 gate_up.stride(0), out.data_ptr(), out.stride(0))
+    return _bind((gate_up, out, rows), lib.slabserve_silu_mul_f32, out.shape[0], out.shape[1], gate_up.data_ptr(),
+                 gate_up.stride(0), out.data_ptr(), out.stride(0), _live_pointer("silu_mul", rows))
 
 
 def prepare_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

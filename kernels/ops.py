@@ -9,15 +9,22 @@ the fake implementations validate the contract (`kernels.contracts`) on metadata
 Importing this module registers the ops and loads neither Triton nor CUDA: the Triton modules are imported on
 the first CUDA call (during warm-up, before any graph capture).
 
-  slabserve::rms_norm(x, weight, eps, out)
+  slabserve::rms_norm(x, weight, eps, out, workspace, rows)
   slabserve::rope(q, k, positions, cos_sin)
-  slabserve::silu_mul(gate_up, out)
+  slabserve::silu_mul(gate_up, out, rows)
   slabserve::kv_write(k, v, k_cache, v_cache, slot_mapping)
   slabserve::slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
   slabserve::slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
-  slabserve::linear(x, w, out, residual)       CPU only: w packed as column panels (kernels.cpu_native)
-  slabserve::linear_q(x, w, out, residual, qtype)   CPU only: w rows of GGUF blocks (kernels.quant)
+  slabserve::linear(x, w, out, residual, rows)       CPU only: w packed as column panels (kernels.cpu_native)
+  slabserve::linear_q(x, w, out, residual, qtype, rows)   CPU only: w rows of GGUF blocks (kernels.quant)
   slabserve::embed_q(ids, w, out, qtype)            CPU only: rows of GGUF blocks gathered and dequantized
+
+ROWS. The row-wise ops that carry most of a step's work (linear, linear_q, rms_norm, silu_mul) take an optional
+`rows`: the step's query_start (S+1,) int32, whose last value counts the real token rows of the padded bucket.
+The native CPU kernels read it at each call and compute only those rows, leaving the padding rows of `out` as they
+were, so a CPU step costs its tokens rather than its bucket; the references and the CUDA kernels (whose graphs
+replay a bucket whole) compute every row. Nothing reads a padding row: attention takes each sequence's rows from
+query_start and the logits come from real rows only.
 
 `CPU_PREPARE` maps each op's name to the function the planned executor uses to bind it once on CPU (checks and
 views at bind time, only arithmetic per step); the op's own CPU kernel runs the same function, so the eager and the
@@ -39,19 +46,23 @@ _LIB = "slabserve"
 # --- rms_norm -------------------------------------------------------------------------------------------
 
 @torch.library.custom_op(f"{_LIB}::rms_norm", mutates_args=("out", "workspace"), device_types="cpu")
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
-    cpu_native.prepare_rms_norm(x, weight, eps, out, workspace)()
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None,
+                 rows: Optional[Tensor] = None) -> None:
+    cpu_native.prepare_rms_norm(x, weight, eps, out, workspace, rows)()
 
 
 @_rms_norm_op.register_kernel("cuda")
-def _rms_norm_cuda(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
+def _rms_norm_cuda(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None,
+                   rows: Optional[Tensor] = None) -> None:  # every row: a graph replays its bucket whole
     from slabserve.kernels.triton_rmsnorm import rms_norm_triton
     rms_norm_triton(x, weight, eps, out)
 
 
 @_rms_norm_op.register_fake
-def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> None:
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None,
+                   rows: Optional[Tensor] = None) -> None:
     contracts.check_rms_norm(x, weight, out)
+    contracts.check_live_rows("rms_norm", rows)
 
 
 # --- rope -----------------------------------------------------------------------------------------------
@@ -75,19 +86,20 @@ def _rope_fake(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspa
 # --- silu_mul -------------------------------------------------------------------------------------------
 
 @torch.library.custom_op(f"{_LIB}::silu_mul", mutates_args=("out",), device_types="cpu")
-def _silu_mul_op(gate_up: Tensor, out: Tensor) -> None:
-    cpu_native.prepare_silu_mul(gate_up, out)()
+def _silu_mul_op(gate_up: Tensor, out: Tensor, rows: Optional[Tensor] = None) -> None:
+    cpu_native.prepare_silu_mul(gate_up, out, rows)()
 
 
 @_silu_mul_op.register_kernel("cuda")
-def _silu_mul_cuda(gate_up: Tensor, out: Tensor) -> None:
+def _silu_mul_cuda(gate_up: Tensor, out: Tensor, rows: Optional[Tensor] = None) -> None:  # every row
     from slabserve.kernels.triton_silu_mul import silu_mul_triton
     silu_mul_triton(gate_up, out)
 
 
 @_silu_mul_op.register_fake
-def _silu_mul_fake(gate_up: Tensor, out: Tensor) -> None:
+def _silu_mul_fake(gate_up: Tensor, out: Tensor, rows: Optional[Tensor] = None) -> None:
     contracts.check_silu_mul(gate_up, out)
+    contracts.check_live_rows("silu_mul", rows)
 
 
 # --- kv_write -------------------------------------------------------------------------------------------
@@ -156,31 +168,37 @@ def _slab_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: 
 # --- linear (CPU; weights in the panel layout the native kernel reads) --------------------------------------
 
 @torch.library.custom_op(f"{_LIB}::linear", mutates_args=("out",), device_types="cpu")
-def _linear_op(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None) -> None:
+def _linear_op(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None,
+               rows: Optional[Tensor] = None) -> None:
     if cpu_native.available():
-        cpu_native.linear_native(x, w, out, residual)
+        cpu_native.linear_native(x, w, out, residual, rows)
     else:
-        reference.linear_ref(x, w, out, residual)
+        reference.linear_ref(x, w, out, residual, rows)
 
 
 @_linear_op.register_fake
-def _linear_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None) -> None:
+def _linear_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None,
+                 rows: Optional[Tensor] = None) -> None:
     contracts.check_linear(x, w, out, residual)
+    contracts.check_live_rows("linear", rows)
 
 
 # --- linear_q and embed_q (CPU; weights in GGUF blocks, kernels.quant) --------------------------------------
 
 @torch.library.custom_op(f"{_LIB}::linear_q", mutates_args=("out",), device_types="cpu")
-def _linear_q_op(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int) -> None:
+def _linear_q_op(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int,
+                 rows: Optional[Tensor] = None) -> None:
     if cpu_native.available():
-        cpu_native.prepare_linear_q(x, w, out, residual, qtype)()
+        cpu_native.prepare_linear_q(x, w, out, residual, qtype, rows)()
     else:
-        reference.linear_q_ref(x, w, out, residual, qtype)
+        reference.linear_q_ref(x, w, out, residual, qtype, rows)
 
 
 @_linear_q_op.register_fake
-def _linear_q_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int) -> None:
+def _linear_q_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int,
+                   rows: Optional[Tensor] = None) -> None:
     contracts.check_linear_q(x, w, out, residual, qtype)
+    contracts.check_live_rows("linear_q", rows)
 
 
 @torch.library.custom_op(f"{_LIB}::embed_q", mutates_args=("out",), device_types="cpu")
@@ -204,9 +222,10 @@ CPU_PREPARE = {"rms_norm": cpu_native.prepare_rms_norm, "rope": cpu_native.prepa
 
 # --- the functions models call ----------------------------------------------------------------------------
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None) -> Tensor:
-    """x (T, N), weight (N,), out (T, N): RMSNorm into out."""
-    torch.ops.slabserve.rms_norm(x, weight, eps, out, workspace)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor, workspace: Optional[Tensor] = None,
+             rows: Optional[Tensor] = None) -> Tensor:
+    """x (T, N), weight (N,), out (T, N): RMSNorm into out. `rows`: the real rows, as ROWS above."""
+    torch.ops.slabserve.rms_norm(x, weight, eps, out, workspace, rows)
     return out
 
 
@@ -218,9 +237,9 @@ def rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, workspace: Op
     torch.ops.slabserve.rope(q, k, positions, cos_sin, workspace)
 
 
-def silu_mul(gate_up: Tensor, out: Tensor) -> Tensor:
-    """gate_up (T, 2I), out (T, I) = silu(gate) * up."""
-    torch.ops.slabserve.silu_mul(gate_up, out)
+def silu_mul(gate_up: Tensor, out: Tensor, rows: Optional[Tensor] = None) -> Tensor:
+    """gate_up (T, 2I), out (T, I) = silu(gate) * up. `rows`: the real rows, as ROWS above."""
+    torch.ops.slabserve.silu_mul(gate_up, out, rows)
     return out
 
 
@@ -245,15 +264,19 @@ def slab_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offs
     return out
 
 
-def linear(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None) -> Tensor:
-    """x (M, K) @ W into out (M, N), plus residual (M, N) when given; w is W packed as (ceil(N / 16), K, 16)."""
-    torch.ops.slabserve.linear(x, w, out, residual)
+def linear(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None,
+           rows: Optional[Tensor] = None) -> Tensor:
+    """x (M, K) @ W into out (M, N), plus residual (M, N) when given; w is W packed as (ceil(N / 16), K, 16).
+    `rows`: the real rows, as ROWS above."""
+    torch.ops.slabserve.linear(x, w, out, residual, rows)
     return out
 
 
-def linear_q(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int) -> Tensor:
-    """x (M, K) @ W^T into out (M, N) (+ residual): W (N, row_bytes) uint8 rows of GGML type `qtype` blocks."""
-    torch.ops.slabserve.linear_q(x, w, out, residual, qtype)
+def linear_q(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int,
+             rows: Optional[Tensor] = None) -> Tensor:
+    """x (M, K) @ W^T into out (M, N) (+ residual): W (N, row_bytes) uint8 rows of GGML type `qtype` blocks.
+    `rows`: the real rows, as ROWS above."""
+    torch.ops.slabserve.linear_q(x, w, out, residual, qtype, rows)
     return out
 
 

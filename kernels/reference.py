@@ -30,6 +30,7 @@ from slabserve.kernels.contracts import (
                                          check_kv_write,
                                          check_linear,
                                          check_linear_q,
+                                         check_live_rows,
                                          check_rms_norm,
                                          check_rope,
                                          check_silu_mul,
@@ -69,13 +70,15 @@ def _scratch(workspace: torch.Tensor | None, start: int, numel: int, device: tor
 
 
 def prepare_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
-                     workspace: torch.Tensor | None = None) -> Run:
-    """out = x / sqrt(mean(x^2) + eps) * weight, with the statistic in fp32 (in `workspace` when given).
+                     workspace: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> Run:
+    """out = x / sqrt(mean(x^2) + eps) * weight, with the statistic in fp32 (in `workspace` when given). `rows`
+    (contracts.check_live_rows) is checked and otherwise unused: the reference computes every row.
 
     No op here takes a Python number as an operand: ATen wraps such a number in a new scalar tensor, which is
     an allocation. eps enters as a filled workspace row instead.
     """
     check_rms_norm(x, weight, out)
+    check_live_rows("rms_norm", rows)
     num_tokens, hidden = x.shape
     variance = _scratch(workspace, 0, num_tokens, x.device).view(num_tokens, 1)  # (T, 1) fp32
     eps_col = _scratch(workspace, num_tokens, num_tokens, x.device).view(num_tokens, 1)  # (T, 1) fp32
@@ -164,9 +167,10 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin:
 # ---------------------------------------------------------------------------------------------------- silu_mul
 
 
-def prepare_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> Run:
-    """out = silu(gate_up[:, :I]) * gate_up[:, I:]."""
+def prepare_silu_mul(gate_up: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None) -> Run:
+    """out = silu(gate_up[:, :I]) * gate_up[:, I:]; every row (`rows` is checked, not used)."""
     check_silu_mul(gate_up, out)
+    check_live_rows("silu_mul", rows)
     inter = out.shape[1]
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
 
@@ -186,12 +190,13 @@ def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """out = x @ W (+ residual), W packed as column panels (P, K, PANEL): W[k, PANEL p + j] = w[p, k, j].
 
     The ground truth of the native kernel (kernels/cpu_native.c); allocates its product (the serving path is the
     native kernel, which writes into `out` directly)."""
     check_linear(x, w, out, residual)
+    check_live_rows("linear", rows)  # every row is computed
     num_panels, k, _ = w.shape
     product = x @ w.permute(1, 0, 2).reshape(k, num_panels * PANEL)[:, : out.shape[1]]  # (M, N)
     if residual is not None:
@@ -201,13 +206,14 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
 
 
 def linear_q_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
-                 qtype: int) -> torch.Tensor:
+                 qtype: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """out = x @ dequantize(W)^T (+ residual), W rows of GGUF blocks (kernels.quant): the `gguf` package's
     dequantization, then an fp32 matmul. The ground truth of the native kernel; allocates (the serving path is the
     native kernel, and build-plan refuses quantized weights where it cannot run)."""
     from slabserve.kernels import quant
 
     check_linear_q(x, w, out, residual, qtype)
+    check_live_rows("linear_q", rows)  # every row is computed
     weights = quant.dequantize(w, quant.by_id(qtype).name, x.shape[1]).to(x.device)  # (N, K)
     product = x @ weights.t()
     if residual is not None:

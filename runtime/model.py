@@ -415,6 +415,9 @@ class LlamaStep(nn.Module):
     ) -> torch.Tensor:                 # (R, V)
         c = self.config
         x = self._embed(input_ids)  # (T, hidden)
+        # On CPU the row-wise kernels compute only the real rows, query_start[S] of the bucket's T (kernels.ops:
+        # ROWS); a CUDA graph replays its bucket whole.
+        rows = query_start if x.device.type == "cpu" else None
         # Planned intermediates like any other, shared by every layer (ops run one at a time). On CPU: the
         # references' scratch, sized by attention over the longest slab. Elsewhere (CUDA, and the meta trace of a
         # CUDA plan): the split decode attention's workspace (S, H, splits, D + 2), its splits sized by the
@@ -431,10 +434,10 @@ class LlamaStep(nn.Module):
                                          dtype=torch.float32, device=x.device)  # (S, H, splits, D + 2)
         for n in range(c.num_layers):
             x = self._attention_block(n, x, positions, slot_mapping, query_start, slab_offset, context_len,
-                                      k_cache[n], v_cache[n], scratch, attn_workspace)
-            x = self._mlp_block(n, x, scratch)
-        x = self._norm(x, self.weight("norm"), scratch)
-        return self._linear(x[logits_indices], "lm_head", c.vocab_size)  # (R, V)
+                                      k_cache[n], v_cache[n], scratch, attn_workspace, rows)
+            x = self._mlp_block(n, x, scratch, rows)
+        x = self._norm(x, self.weight("norm"), scratch, rows)
+        return self._linear(x[logits_indices], "lm_head", c.vocab_size)  # (R, V), every row real
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.blocks is None:
@@ -445,36 +448,38 @@ class LlamaStep(nn.Module):
         ops.embed_q(input_ids, self.weight("embed"), out, kind)
         return out
 
-    def _linear(self, x: torch.Tensor, name: str, out_features: int,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, in) @ the projection `name` (T, out), plus residual (T, out) when given."""
+    def _linear(self, x: torch.Tensor, name: str, out_features: int, residual: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, in) @ the projection `name` (T, out), plus residual (T, out) when given; `rows`: the real rows
+        (kernels.ops: ROWS)."""
         if self.blocks is not None:
             out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # (T, out)
             groups = self.block_groups[name]
             for slot, kind, start, end in groups:
                 whole = len(groups) == 1
                 ops.linear_q(x, self.weight(slot), out if whole else out[:, start:end],
-                             residual if whole or residual is None else residual[:, start:end], kind)
+                             residual if whole or residual is None else residual[:, start:end], kind, rows)
             return out
         w = self.weight(name)
         if self.gemm == "aten":
             y = x @ w
             return y if residual is None else residual + y
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # (T, out)
-        ops.linear(x, w, out, residual)
+        ops.linear(x, w, out, residual, rows)
         return out
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, scratch: torch.Tensor | None,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(x)
-        ops.rms_norm(x, weight, self.config.rms_norm_eps, out, scratch)
+        ops.rms_norm(x, weight, self.config.rms_norm_eps, out, scratch, rows)
         return out
 
     def _attention_block(self, n, x, positions, slot_mapping, query_start, slab_offset, context_len, k_cache,
-                         v_cache, scratch, attn_workspace):
+                         v_cache, scratch, attn_workspace, rows):
         c = self.config
         t = x.shape[0]
-        qkv = self._linear(self._norm(x, self.weight(f"{n}.attn_norm"), scratch), f"{n}.wqkv",
-                           c.q_size + 2 * c.kv_size)  # (T, q+2kv)
+        qkv = self._linear(self._norm(x, self.weight(f"{n}.attn_norm"), scratch, rows), f"{n}.wqkv",
+                           c.q_size + 2 * c.kv_size, rows=rows)  # (T, q+2kv)
         if c.qkv_bias:
             qkv = qkv + self.weight(f"{n}.bqkv")
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)  # (T, H, D)
@@ -485,15 +490,16 @@ class LlamaStep(nn.Module):
         attn = torch.empty(t, c.num_heads, c.head_dim, dtype=x.dtype, device=x.device)  # (T, H, D)
         ops.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, self.scale, attn,
                            attn_workspace)
-        return self._linear(attn.view(t, c.q_size), f"{n}.wo", c.hidden_size, residual=x)
+        return self._linear(attn.view(t, c.q_size), f"{n}.wo", c.hidden_size, residual=x, rows=rows)
 
-    def _mlp_block(self, n: int, x: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+    def _mlp_block(self, n: int, x: torch.Tensor, scratch: torch.Tensor | None,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
         inter = self.config.intermediate_size
-        gate_up = self._linear(self._norm(x, self.weight(f"{n}.ffn_norm"), scratch), f"{n}.wgate_up",
-                               2 * inter)  # (T, 2I)
+        gate_up = self._linear(self._norm(x, self.weight(f"{n}.ffn_norm"), scratch, rows), f"{n}.wgate_up",
+                               2 * inter, rows=rows)  # (T, 2I)
         act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)  # (T, I)
-        ops.silu_mul(gate_up, act)
-        return self._linear(act, f"{n}.wdown", self.config.hidden_size, residual=x)
+        ops.silu_mul(gate_up, act, rows)
+        return self._linear(act, f"{n}.wdown", self.config.hidden_size, residual=x, rows=rows)
 
 
 def _buffer_name(name: str) -> str:

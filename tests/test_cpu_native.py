@@ -239,6 +239,56 @@ def test_native_rms_norm_and_silu_mul_match_references(rows, width):
 
 
 @needs_native
+def test_row_wise_kernels_compute_only_the_live_rows_read_at_each_call():
+    """With `rows` (the step's query_start), linear, linear_q, rms_norm and silu_mul compute rows 0 .. rows[-1]-1,
+    read when they run (one prepared call serves every step of a bucket), bit for bit as without it, and leave the
+    padding rows as they were; a count past the tensor's rows or below zero is clamped."""
+    from slabserve.kernels import quant
+    from test_quant_kernels import random_rows
+
+    m, k, n = 9, 64, 40
+    x, res = _randn(m, k, seed=1), _randn(m, n, seed=2)
+    panels, blocks = cpu_native.pack_panels(_randn(k, n, seed=3)), random_rows("Q4_1", n, k, seed=4)
+    weight, q41 = torch.rand(k) + 0.5, quant.BLOCK_TYPES["Q4_1"].ggml_id
+    query_start = torch.zeros(4, dtype=torch.int32)
+    outs = {"linear": torch.empty(m, n), "linear_q": torch.empty(m, n), "rms_norm": torch.empty(m, k),
+            "silu_mul": torch.empty(m, k // 2)}
+    runs = {"linear": lambda live: cpu_native.prepare_linear(x, panels, outs["linear"], res, live),
+            "linear_q": lambda live: cpu_native.prepare_linear_q(x, blocks, outs["linear_q"], res, q41, live),
+            "rms_norm": lambda live: cpu_native.prepare_rms_norm(x, weight, 1e-5, outs["rms_norm"], None, live),
+            "silu_mul": lambda live: cpu_native.prepare_silu_mul(x, outs["silu_mul"], live)}
+    whole = {}
+    for name, prepare in runs.items():
+        prepare(None)()
+        whole[name] = outs[name].clone()
+    prepared = {name: prepare(query_start) for name, prepare in runs.items()}
+    for live, computed in [(5, 5), (1, 1), (0, 0), (m, m), (m + 30, m), (-4, 0)]:
+        query_start[-1] = live
+        for name, run in prepared.items():
+            outs[name].fill_(7.0)
+            run()
+            assert torch.equal(outs[name][:computed], whole[name][:computed]), (name, live)
+            assert (outs[name][computed:] == 7.0).all(), (name, live)
+    assert allocations(lambda: [run() for run in prepared.values()], steps=3) == []
+
+
+def test_rows_must_be_a_1d_int32_tensor():
+    x, panels = torch.randn(4, 32), cpu_native.pack_panels(torch.randn(32, 20))
+    for bad in (torch.zeros(3, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
+                torch.zeros(2, 2, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="linear: rows must be a non-empty 1-D int32 tensor"):
+            torch.ops.slabserve.linear(x, panels, torch.empty(4, 20), None, bad)
+    with pytest.raises(ValueError, match="silu_mul: rows must be"):
+        torch.ops.slabserve.silu_mul(x, torch.empty(4, 16), torch.zeros(3))
+    torch.library.opcheck(torch.ops.slabserve.linear.default,
+                          (x, panels, torch.empty(4, 20), None, torch.tensor([0, 2, 3], dtype=torch.int32)),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.slabserve.rms_norm.default,
+                          (x, torch.rand(32), 1e-6, torch.empty(4, 32), None, torch.tensor([3], dtype=torch.int32)),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_native
 @pytest.mark.parametrize("rows, heads, kv_heads, head_dim", [(1, 9, 3, 64), (10, 4, 2, 16), (3, 2, 1, 6)])
 def test_native_rope_and_kv_write_match_references(rows, heads, kv_heads, head_dim):
     cos_sin, positions = _randn(50, head_dim, seed=3), torch.randint(0, 50, (rows,))

