@@ -246,11 +246,11 @@ def check_embed_q(ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype: 
 
 
 def check_live_rows(op: str, rows: torch.Tensor | None) -> None:
-    """`rows` of a row-wise op: None (every row), or a 1-D int32 tensor whose last value counts the real rows of
-    the op's activations (the step's query_start, (S+1,)); the rows past it are padding, which a kernel may leave
-    as they were. The value is read at each call, never here (this check sees metadata only)."""
+    """`rows` of a row-wise op: None (every row), or the step's query_start, a contiguous 1-D int32 tensor (S+1,)
+    that says which rows of the op's activations are real (kernels.ops: ROWS); the others are padding, which a
+    kernel may leave as they were. The values are read at each call, never here (this check sees metadata only)."""
     if rows is None:
         return
-    if rows.dim() != 1 or rows.shape[0] < 1 or rows.dtype != torch.int32:
-        _fail(op, f"rows must be a non-empty 1-D int32 tensor (the step's query_start), got {tuple(rows.shape)} "
-                  f"{rows.dtype}")
+    if rows.dim() != 1 or rows.shape[0] < 1 or rows.dtype != torch.int32 or rows.stride(0) != 1:
+        _fail(op, f"rows must be a non-empty contiguous 1-D int32 tensor (the step's query_start), got "
+                  f"{tuple(rows.shape)} {rows.dtype} strides {rows.stride()}")

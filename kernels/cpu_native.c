@@ -30,13 +30,20 @@
  * panel a prefetch of an unmapped address is dropped without a fault. */
 #define PREFETCH_ROWS 32
 
-/* The rows a row-wise kernel computes out of the M it was given: all of them when `live` is NULL, else the first
- * *live (clamped to [0, M]). The engine passes the step's query_start[S], the count of real token rows of a padded
- * bucket, so a step costs its tokens rather than its bucket; the rows past it are padding and are left as they were
- * (nothing reads them: attention takes each sequence's rows from query_start, logits only real rows). */
-static inline int64_t live_rows(int64_t M, const int32_t *live) {
-    if (!live) return M;
-    int64_t n = *live;
+/* The rows a row-wise kernel computes out of the M it was given: all of them when `qs` is NULL. Else qs is the
+ * step's query_start (S + 1 entries, read at each call): the first qs[S] rows, its real token rows, or with
+ * `per_seq` the first 1 + the last s whose run qs[s] .. qs[s+1] is not empty, its real sequences (the rows of a
+ * logits gather). Clamped to [0, M]. So a padded bucket costs its tokens rather than its size; the rows past the
+ * count are padding and are left as they were (nothing reads them: attention takes each sequence's rows from
+ * query_start, and the logits of padding sequences are never sampled). */
+static inline int64_t live_rows(int64_t M, const int32_t *qs, int64_t n_qs, int64_t per_seq) {
+    if (!qs || n_qs < 1) return M;
+    int64_t n = qs[n_qs - 1];
+    if (per_seq) {
+        n = 0;
+        for (int64_t s = 0; s + 1 < n_qs; s++)
+            if (qs[s + 1] > qs[s]) n = s + 1;
+    }
     return n < 0 ? 0 : (n < M ? n : M);
 }
 
@@ -140,11 +147,12 @@ static void add_rows(int64_t M, float *y, int64_t ldy, const float *r, int64_t l
 }
 
 /* y = x @ W (+ residual when `residual` is not NULL; it must not overlap y). Row strides ldx, ldy, ldr in floats;
- * each row's values are contiguous. `live`: see live_rows. */
+ * each row's values are contiguous. qs, n_qs, per_seq: see live_rows. */
 void slabserve_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *w,
-                          float *y, int64_t ldy, const float *residual, int64_t ldr, const int32_t *live) {
+                          float *y, int64_t ldy, const float *residual, int64_t ldr, const int32_t *qs, int64_t n_qs,
+                          int64_t per_seq) {
     int64_t full = N / PANEL, cols = N % PANEL;
-    M = live_rows(M, live);
+    M = live_rows(M, qs, n_qs, per_seq);
     if (M <= 0 || N <= 0) return;
     #pragma omp parallel for schedule(static) if (full > 1)
     for (int64_t j = 0; j < full; j++) {
@@ -409,8 +417,8 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
 #define ROWS_PER_THREAD 4
 
 void slabserve_rms_norm_f32(int64_t T, int64_t N, const float *x, int64_t ldx, const float *w, float eps,
-                            float *out, int64_t ldo, const int32_t *live) {
-    T = live_rows(T, live);
+                            float *out, int64_t ldo, const int32_t *qs, int64_t n_qs) {
+    T = live_rows(T, qs, n_qs, 0);
     #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * ldx;
@@ -433,8 +441,8 @@ void slabserve_rms_norm_f32(int64_t T, int64_t N, const float *x, int64_t ldx, c
 }
 
 void slabserve_silu_mul_f32(int64_t T, int64_t I, const float *gate_up, int64_t ldg, float *out, int64_t ldo,
-                            const int32_t *live) {
-    T = live_rows(T, live);
+                            const int32_t *qs, int64_t n_qs) {
+    T = live_rows(T, qs, n_qs, 0);
     #pragma omp parallel for schedule(static) if (T >= 2 * ROWS_PER_THREAD)
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * ldg, *u = g + I;
@@ -744,6 +752,7 @@ static inline __attribute__((always_inline)) void block32v(int type, const uint8
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
 }
 #define GEMV_ROWS 8  /* weight rows per pass of gemv_blocks32: 8 accumulators, of 32 registers */
+#define FEW_ROWS 4   /* rows of x that gemm_few_blocks32 takes: 4 x 4 accumulators, 8 x vectors, of 32 registers */
 #define TILE_M 6     /* rows of x per dot_tile: 6 x 4 accumulators, of 32 registers */
 #else
 typedef __m256 vf;
@@ -757,6 +766,7 @@ static inline __attribute__((always_inline)) void block32v(int type, const uint8
     block32(type, blk, v, 0);
 }
 #define GEMV_ROWS 4  /* 8 rows spill the 16 ymm registers */
+#define FEW_ROWS 2   /* rows of x that gemm_few_blocks32 takes: 2 x 2 accumulators, 8 x vectors, of 16 registers */
 #define TILE_M 3     /* rows of x per dot_tile: 3 x 4 accumulators, of 16 registers */
 #endif
 
@@ -817,20 +827,61 @@ static inline __attribute__((always_inline)) void gemv_blocks32(int type, int nr
     }
 }
 
-static void gemv_blocks32_any(int type, int nr, int64_t K, const float *x, const uint8_t *w, int64_t row_bytes,
-                              float *y, const float *r) {
-#define GEMV_CASE(T)                                                                                       \
-    if (type == T) {                                                                                       \
-        int j = 0;                                                                                         \
-        for (; j + GEMV_ROWS <= nr; j += GEMV_ROWS)                                                        \
-            gemv_blocks32(T, GEMV_ROWS, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL);      \
-        for (; j < nr; j++) gemv_blocks32(T, 1, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL); \
-        return;                                                                                            \
+/* `mr` (<= FEW_ROWS) rows of x times `nr` (<= FEW_ROWS) rows of 32-weight blocks, each block dequantized in registers
+ * once for all mr rows: each (row, n) is gemv_blocks32's chain (dot_tile's), so the same bits as one row alone. */
+static inline __attribute__((always_inline)) void gemm_few_blocks32(int type, int mr, int nr, int64_t K,
+                                                                    const float *x, int64_t ldx, const uint8_t *w,
+                                                                    int64_t row_bytes, float *y, int64_t ldy,
+                                                                    const float *r, int64_t ldr) {
+    int bb = type == WT_Q8_0 ? 34 : type == WT_Q4_1 ? 20 : 18;
+    vf acc[FEW_ROWS][FEW_ROWS];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = vf_zero();
+    for (int64_t b = 0; b < K / 32; b++) {
+        vf xv[FEW_ROWS][32 / VL];
+        for (int i = 0; i < mr; i++)
+            for (int t = 0; t < 32 / VL; t++) xv[i][t] = vf_load(x + i * ldx + 32 * b + VL * t);
+        for (int j = 0; j < nr; j++) {
+            vf v[32 / VL];
+            block32v(type, w + j * row_bytes + b * bb, v);
+            for (int i = 0; i < mr; i++)
+                for (int t = 0; t < 32 / VL; t++) acc[i][j] = vf_fma(xv[i][t], v[t], acc[i][j]);
+        }
     }
-    GEMV_CASE(WT_Q4_0)
-    GEMV_CASE(WT_Q4_1)
-    GEMV_CASE(WT_Q8_0)
-#undef GEMV_CASE
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            float s = vf_sum(acc[i][j]);
+            y[i * ldy + j] = r ? s + r[i * ldr + j] : s;
+        }
+}
+
+/* `M` (1..FEW_ROWS) rows of x times `nr` rows of 32-weight blocks of `type` (Q4_0, Q4_1, Q8_0), dequantized in
+ * registers: one row through gemv_blocks32, a few through gemm_few_blocks32; no scratch, and the bits the scratch
+ * path gives. */
+static void few_rows_blocks32(int type, int64_t M, int nr, int64_t K, const float *x, int64_t ldx,
+                              const uint8_t *w, int64_t row_bytes, float *y, int64_t ldy, const float *r,
+                              int64_t ldr) {
+#define FEW_CASE(T)                                                                                             \
+    if (type == T) {                                                                                            \
+        int j = 0;                                                                                              \
+        if (M == 1) {                                                                                           \
+            for (; j + GEMV_ROWS <= nr; j += GEMV_ROWS)                                                         \
+                gemv_blocks32(T, GEMV_ROWS, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL);       \
+            for (; j < nr; j++) gemv_blocks32(T, 1, K, x, w + j * row_bytes, row_bytes, y + j, r ? r + j : NULL); \
+            return;                                                                                             \
+        }                                                                                                       \
+        for (; j + FEW_ROWS <= nr; j += FEW_ROWS)                                                               \
+            gemm_few_blocks32(T, (int)M, FEW_ROWS, K, x, ldx, w + j * row_bytes, row_bytes, y + j, ldy,         \
+                              r ? r + j : NULL, ldr);                                                           \
+        for (; j < nr; j++)                                                                                     \
+            gemm_few_blocks32(T, (int)M, 1, K, x, ldx, w + j * row_bytes, row_bytes, y + j, ldy,                \
+                              r ? r + j : NULL, ldr);                                                           \
+        return;                                                                                                 \
+    }
+    FEW_CASE(WT_Q4_0)
+    FEW_CASE(WT_Q4_1)
+    FEW_CASE(WT_Q8_0)
+#undef FEW_CASE
 }
 
 #define QROWS 8  /* weight rows a task dequantizes and multiplies at once */
@@ -881,9 +932,9 @@ static void rows_times_dequantized(int64_t M, int nr, int64_t K, const float *x,
 #define QSCRATCH_FLOATS 65536  /* 256 KB of stack per task at most: QROWS rows up to K = 8192, fewer beyond */
 int slabserve_linear_q(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const uint8_t *w,
                        int64_t row_bytes, int64_t type, float *y, int64_t ldy, const float *residual, int64_t ldr,
-                       const int32_t *live) {
+                       const int32_t *qs, int64_t n_qs, int64_t per_seq) {
     if (K <= 0 || K > MAX_QUANT_K || slabserve_quant_row_bytes(type, K) != row_bytes) return -1;
-    M = live_rows(M, live);
+    M = live_rows(M, qs, n_qs, per_seq);
     if (M <= 0 || N <= 0) return 0;
     int64_t rows = QSCRATCH_FLOATS / K < QROWS ? QSCRATCH_FLOATS / K : QROWS;
     int64_t groups = (N + rows - 1) / rows;
@@ -891,9 +942,9 @@ int slabserve_linear_q(int64_t M, int64_t N, int64_t K, const float *x, int64_t 
     for (int64_t g = 0; g < groups; g++) {
         int64_t n0 = g * rows;
         int nr = N - n0 < rows ? (int)(N - n0) : (int)rows;
-        if (M == 1 && (type == WT_Q4_0 || type == WT_Q4_1 || type == WT_Q8_0)) {  /* no scratch: same bits */
-            gemv_blocks32_any((int)type, nr, K, x, w + n0 * row_bytes, row_bytes, y + n0,
-                              residual ? residual + n0 : NULL);
+        if (M <= FEW_ROWS && (type == WT_Q4_0 || type == WT_Q4_1 || type == WT_Q8_0)) {  /* no scratch: same bits */
+            few_rows_blocks32((int)type, M, nr, K, x, ldx, w + n0 * row_bytes, row_bytes, y + n0, ldy,
+                              residual ? residual + n0 : NULL, ldr);
             continue;
         }
         float buf[rows * K];

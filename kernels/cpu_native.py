@@ -47,14 +47,14 @@ _state: dict[str, object] = {}  # "lib": the loaded CDLL, or "error": why there 
 
 _I, _P, _F, _RC = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # C function -> (return type, argument types), as declared in cpu_native.c
-    "slabserve_linear_f32": (None, [_I, _I, _I, _P, _I, _P, _P, _I, _P, _I, _P]),
+    "slabserve_linear_f32": (None, [_I, _I, _I, _P, _I, _P, _P, _I, _P, _I, _P, _I, _I]),
     "slabserve_slab_attention_f32": (_RC, [_I, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _F, _P, _I]),
-    "slabserve_rms_norm_f32": (None, [_I, _I, _P, _I, _P, _F, _P, _I, _P]),
-    "slabserve_silu_mul_f32": (None, [_I, _I, _P, _I, _P, _I, _P]),
+    "slabserve_rms_norm_f32": (None, [_I, _I, _P, _I, _P, _F, _P, _I, _P, _I]),
+    "slabserve_silu_mul_f32": (None, [_I, _I, _P, _I, _P, _I, _P, _I]),
     "slabserve_rope_f32": (_RC, [_I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I]),
     "slabserve_kv_write_f32": (_RC, [_I, _I, _P, _I, _P, _I, _P, _P, _P, _I, _I]),
     "slabserve_quant_row_bytes": (_I, [_I, _I]),
-    "slabserve_linear_q": (_RC, [_I, _I, _I, _P, _I, _P, _I, _I, _P, _I, _P, _I, _P]),
+    "slabserve_linear_q": (_RC, [_I, _I, _I, _P, _I, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I]),
     "slabserve_embed_q": (_RC, [_I, _P, _I, _I, _P, _I, _I, _P, _I]),
 }
 
@@ -197,33 +197,34 @@ def _library_for(op: str, *tensors: torch.Tensor) -> ctypes.CDLL:
     return lib
 
 
-def _live_pointer(op: str, rows: torch.Tensor | None) -> int | None:
-    """The address the kernel reads the live row count from at each call: rows[-1] (contracts.check_live_rows),
-    or None (every row)."""
+def _live(op: str, rows: torch.Tensor | None) -> tuple[int | None, int]:
+    """(address, entries) of the query_start the kernel counts its live rows from at each call
+    (contracts.check_live_rows), or (None, 0): every row."""
     if rows is None:
-        return None
+        return None, 0
     contracts.check_live_rows(op, rows)
     if rows.device.type != "cpu":
         raise ValueError(f"{op}: rows must be a CPU tensor for the native kernel, got {rows.device}")
-    return rows.data_ptr() + (rows.shape[0] - 1) * rows.stride(0) * rows.element_size()
+    return rows.data_ptr(), rows.shape[0]
 
 
-def prepare_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                   residual: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> Callable[[], None]:
-    """Check once and bind: `run()` computes out = x @ W (+ residual) with the native kernel, over the first
-    rows[-1] rows of x when `rows` is given."""
+def prepare_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None, per_sequence: bool = False) -> Callable[[], None]:
+    """Check once and bind: `run()` computes out = x @ W (+ residual) with the native kernel, over the live rows
+    of x when `rows` (the step's query_start) is given: its real tokens, or with `per_sequence` its real
+    sequences (kernels.ops: ROWS)."""
     check_linear(x, w, out, residual)
     lib = _library_for("linear", x)
     m, k = x.shape
     return _bind((x, w, out, residual, rows), lib.slabserve_linear_f32, m, out.shape[1], k, x.data_ptr(),
                  x.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0),
                  residual.data_ptr() if residual is not None else None,
-                 residual.stride(0) if residual is not None else 0, _live_pointer("linear", rows))
+                 residual.stride(0) if residual is not None else 0, *_live("linear", rows), int(per_sequence))
 
 
-def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                  residual: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-    prepare_linear(x, w, out, residual, rows)()
+def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None, per_sequence: bool = False) -> torch.Tensor:
+    prepare_linear(x, w, out, residual, rows, per_sequence)()
     return out
 
 
@@ -233,17 +234,17 @@ def linear_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
 
 
 def prepare_linear_q(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
-                     qtype: int, rows: torch.Tensor | None = None) -> Callable[[], None]:
+                     qtype: int, rows: torch.Tensor | None = None, per_sequence: bool = False) -> Callable[[], None]:
     """Check once and bind: `run()` computes out = x @ W^T (+ residual), W rows of GGUF blocks of GGML type `qtype`
-    (kernels.quant), dequantized in the kernel with the `gguf` package's arithmetic; over the first rows[-1] rows
-    of x when `rows` is given."""
+    (kernels.quant), dequantized in the kernel with the `gguf` package's arithmetic; over the live rows of x when
+    `rows` is given, as prepare_linear."""
     contracts.check_linear_q(x, w, out, residual, qtype)
     lib = _library_for("linear_q", x)
     m, k = x.shape
     call = _bind((x, w, out, residual, rows), lib.slabserve_linear_q, m, out.shape[1], k, x.data_ptr(),
                  x.stride(0), w.data_ptr(), w.shape[1], qtype, out.data_ptr(), out.stride(0),
                  residual.data_ptr() if residual is not None else None,
-                 residual.stride(0) if residual is not None else 0, _live_pointer("linear_q", rows))
+                 residual.stride(0) if residual is not None else 0, *_live("linear_q", rows), int(per_sequence))
 
     def run() -> None:
         if call():
@@ -338,7 +339,7 @@ def prepare_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: tor
     contracts.check_rms_norm(x, weight, out)
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
     return _bind((x, weight, out, rows), lib.slabserve_rms_norm_f32, x.shape[0], x.shape[1], x.data_ptr(),
-                 x.stride(0), weight.data_ptr(), eps, out.data_ptr(), out.stride(0), _live_pointer("rms_norm", rows))
+                 x.stride(0), weight.data_ptr(), eps, out.data_ptr(), out.stride(0), *_live("rms_norm", rows))
 
 
 def prepare_silu_mul(gate_up: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None
@@ -348,7 +349,7 @@ def prepare_silu_mul(gate_up: torch.Tensor, out: torch.Tensor, rows: torch.Tenso
     contracts.check_silu_mul(gate_up, out)
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
     return _bind((gate_up, out, rows), lib.slabserve_silu_mul_f32, out.shape[0], out.shape[1], gate_up.data_ptr(),
-                 gate_up.stride(0), out.data_ptr(), out.stride(0), _live_pointer("silu_mul", rows))
+                 gate_up.stride(0), out.data_ptr(), out.stride(0), *_live("silu_mul", rows))
 
 
 def prepare_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -15,16 +15,18 @@ the first CUDA call (during warm-up, before any graph capture).
   slabserve::kv_write(k, v, k_cache, v_cache, slot_mapping)
   slabserve::slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out)
   slabserve::slab_decode_attention(q, k_cache, v_cache, slab_offset, context_len, scale, out, workspace)
-  slabserve::linear(x, w, out, residual, rows)       CPU only: w packed as column panels (kernels.cpu_native)
-  slabserve::linear_q(x, w, out, residual, qtype, rows)   CPU only: w rows of GGUF blocks (kernels.quant)
+  slabserve::linear(x, w, out, residual, rows, per_sequence)   CPU only: w packed as column panels
+  slabserve::linear_q(x, w, out, residual, qtype, rows, per_sequence)   CPU only: w rows of GGUF blocks
   slabserve::embed_q(ids, w, out, qtype)            CPU only: rows of GGUF blocks gathered and dequantized
 
 ROWS. The row-wise ops that carry most of a step's work (linear, linear_q, rms_norm, silu_mul) take an optional
-`rows`: the step's query_start (S+1,) int32, whose last value counts the real token rows of the padded bucket.
-The native CPU kernels read it at each call and compute only those rows, leaving the padding rows of `out` as they
-were, so a CPU step costs its tokens rather than its bucket; the references and the CUDA kernels (whose graphs
-replay a bucket whole) compute every row. Nothing reads a padding row: attention takes each sequence's rows from
-query_start and the logits come from real rows only.
+`rows`: the step's query_start (S+1,) int32. Its last value counts the real token rows of the padded bucket; with
+`per_sequence` (linear and linear_q, for the lm_head over the gathered logits rows) the real rows are the
+sequences with tokens, the first 1 + the last s with query_start[s+1] > query_start[s]. The native CPU kernels
+read it at each call and compute only those rows, leaving the padding rows of `out` as they were, so a CPU step
+costs its tokens rather than its bucket; the references and the CUDA kernels (whose graphs replay a bucket whole)
+compute every row. Nothing reads a padding row: attention takes each sequence's rows from query_start, and the
+logits of padding sequences are never sampled.
 
 `CPU_PREPARE` maps each op's name to the function the planned executor uses to bind it once on CPU (checks and
 views at bind time, only arithmetic per step); the op's own CPU kernel runs the same function, so the eager and the
@@ -169,16 +171,16 @@ def _slab_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offset: 
 
 @torch.library.custom_op(f"{_LIB}::linear", mutates_args=("out",), device_types="cpu")
 def _linear_op(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None,
-               rows: Optional[Tensor] = None) -> None:
+               rows: Optional[Tensor] = None, per_sequence: bool = False) -> None:
     if cpu_native.available():
-        cpu_native.linear_native(x, w, out, residual, rows)
+        cpu_native.linear_native(x, w, out, residual, rows, per_sequence)
     else:
         reference.linear_ref(x, w, out, residual, rows)
 
 
 @_linear_op.register_fake
 def _linear_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None,
-                 rows: Optional[Tensor] = None) -> None:
+                 rows: Optional[Tensor] = None, per_sequence: bool = False) -> None:
     contracts.check_linear(x, w, out, residual)
     contracts.check_live_rows("linear", rows)
 
@@ -187,16 +189,16 @@ def _linear_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] =
 
 @torch.library.custom_op(f"{_LIB}::linear_q", mutates_args=("out",), device_types="cpu")
 def _linear_q_op(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int,
-                 rows: Optional[Tensor] = None) -> None:
+                 rows: Optional[Tensor] = None, per_sequence: bool = False) -> None:
     if cpu_native.available():
-        cpu_native.prepare_linear_q(x, w, out, residual, qtype, rows)()
+        cpu_native.prepare_linear_q(x, w, out, residual, qtype, rows, per_sequence)()
     else:
         reference.linear_q_ref(x, w, out, residual, qtype, rows)
 
 
 @_linear_q_op.register_fake
 def _linear_q_fake(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int,
-                   rows: Optional[Tensor] = None) -> None:
+                   rows: Optional[Tensor] = None, per_sequence: bool = False) -> None:
     contracts.check_linear_q(x, w, out, residual, qtype)
     contracts.check_live_rows("linear_q", rows)
 
@@ -265,18 +267,18 @@ def slab_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slab_offs
 
 
 def linear(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor] = None,
-           rows: Optional[Tensor] = None) -> Tensor:
+           rows: Optional[Tensor] = None, per_sequence: bool = False) -> Tensor:
     """x (M, K) @ W into out (M, N), plus residual (M, N) when given; w is W packed as (ceil(N / 16), K, 16).
-    `rows`: the real rows, as ROWS above."""
-    torch.ops.slabserve.linear(x, w, out, residual, rows)
+    `rows`, `per_sequence`: the real rows, as ROWS above."""
+    torch.ops.slabserve.linear(x, w, out, residual, rows, per_sequence)
     return out
 
 
 def linear_q(x: Tensor, w: Tensor, out: Tensor, residual: Optional[Tensor], qtype: int,
-             rows: Optional[Tensor] = None) -> Tensor:
+             rows: Optional[Tensor] = None, per_sequence: bool = False) -> Tensor:
     """x (M, K) @ W^T into out (M, N) (+ residual): W (N, row_bytes) uint8 rows of GGML type `qtype` blocks.
-    `rows`: the real rows, as ROWS above."""
-    torch.ops.slabserve.linear_q(x, w, out, residual, qtype, rows)
+    `rows`, `per_sequence`: the real rows, as ROWS above."""
+    torch.ops.slabserve.linear_q(x, w, out, residual, qtype, rows, per_sequence)
     return out
 
 

@@ -347,19 +347,25 @@ class Engine:
         params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
         generators = [make_generator(0), make_generator(1)]
         seconds: dict[int, float] = {}
+        sequences: dict[int, int] = {}  # bucket -> sequences of its warm-up chunks (only their logits are computed)
+
+        def fill(kind: str) -> None:
+            for bucket, inputs in self.inputs.items():
+                chunks = self._warm_up_chunks(bucket, kind)
+                inputs.fill(chunks)
+                sequences[bucket] = len(chunks)
 
         def every_bucket() -> None:
             for bucket in self.inputs:
                 started = time.perf_counter()
                 logits = self._run_step(bucket)  # (R, V), R = logits_rows(bucket, max_seqs)
-                rows = list(range(min(2, logits.shape[0])))
+                rows = list(range(min(2, sequences[bucket])))
                 self._sample_rows(bucket, logits, rows, params[: len(rows)], generators[: len(rows)])
                 took = time.perf_counter() - started
                 seconds[bucket] = min(seconds.get(bucket, took), took)
 
         for kind in ("longest", "start"):
-            for bucket, inputs in self.inputs.items():
-                inputs.fill(self._warm_up_chunks(bucket, kind))
+            fill(kind)
             every_bucket()
             if kind == "longest":
                 seconds.clear()  # a step over the longest context is not what a typical step costs
@@ -374,8 +380,7 @@ class Engine:
         # checked: steps that mix a decode row at the end of the longest slab with prefill chunks and decode rows
         # starting mid-slab (after a copy of retained rows between slabs), at the serving thread count and at one
         # thread (where every parallel body runs on this thread, under the check)
-        for bucket, inputs in self.inputs.items():
-            inputs.fill(self._warm_up_chunks(bucket, "mixed"))
+        fill("mixed")
         for single_thread in (False, True):
             check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
                                  single_thread=single_thread, device=self.device)

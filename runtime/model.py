@@ -437,7 +437,11 @@ class LlamaStep(nn.Module):
                                       k_cache[n], v_cache[n], scratch, attn_workspace, rows)
             x = self._mlp_block(n, x, scratch, rows)
         x = self._norm(x, self.weight("norm"), scratch, rows)
-        return self._linear(x[logits_indices], "lm_head", c.vocab_size)  # (R, V), every row real
+        # (R, V). The engine asks a row per sequence slot (R <= S), and on CPU only the real sequences' rows are
+        # computed; a caller asking more rows than slots (every token's logits, as the parity tests do) gets all.
+        per_slot = logits_indices.shape[0] <= slab_offset.shape[0]
+        return self._linear(x[logits_indices], "lm_head", c.vocab_size, rows=rows if per_slot else None,
+                            per_sequence=per_slot)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.blocks is None:
@@ -449,23 +453,24 @@ class LlamaStep(nn.Module):
         return out
 
     def _linear(self, x: torch.Tensor, name: str, out_features: int, residual: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, in) @ the projection `name` (T, out), plus residual (T, out) when given; `rows`: the real rows
-        (kernels.ops: ROWS)."""
+                rows: torch.Tensor | None = None, per_sequence: bool = False) -> torch.Tensor:
+        """x (T, in) @ the projection `name` (T, out), plus residual (T, out) when given; `rows`, `per_sequence`:
+        the real rows (kernels.ops: ROWS)."""
         if self.blocks is not None:
             out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # (T, out)
             groups = self.block_groups[name]
             for slot, kind, start, end in groups:
                 whole = len(groups) == 1
                 ops.linear_q(x, self.weight(slot), out if whole else out[:, start:end],
-                             residual if whole or residual is None else residual[:, start:end], kind, rows)
+                             residual if whole or residual is None else residual[:, start:end], kind, rows,
+                             per_sequence)
             return out
         w = self.weight(name)
         if self.gemm == "aten":
             y = x @ w
             return y if residual is None else residual + y
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # (T, out)
-        ops.linear(x, w, out, residual, rows)
+        ops.linear(x, w, out, residual, rows, per_sequence)
         return out
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, scratch: torch.Tensor | None,

@@ -240,8 +240,8 @@ def test_native_rms_norm_and_silu_mul_match_references(rows, width):
 
 @needs_native
 def test_row_wise_kernels_compute_only_the_live_rows_read_at_each_call():
-    """With `rows` (the step's query_start), linear, linear_q, rms_norm and silu_mul compute rows 0 .. rows[-1]-1,
-    read when they run (one prepared call serves every step of a bucket), bit for bit as without it, and leave the
+    """With `rows` (the step's query_start), linear, linear_q, rms_norm and silu_mul compute rows 0 .. rows[-1]-1
+    (with per_sequence, one row per sequence with tokens), read when they run (one prepared call serves every step of a bucket), bit for bit as without it, and leave the
     padding rows as they were; a count past the tensor's rows or below zero is clamped."""
     from slabserve.kernels import quant
     from test_quant_kernels import random_rows
@@ -270,13 +270,24 @@ def test_row_wise_kernels_compute_only_the_live_rows_read_at_each_call():
             assert torch.equal(outs[name][:computed], whole[name][:computed]), (name, live)
             assert (outs[name][computed:] == 7.0).all(), (name, live)
     assert allocations(lambda: [run() for run in prepared.values()], steps=3) == []
+    # per_sequence (the lm_head over a logits gather): the rows are the sequences with tokens, up to the last one
+    per_seq = [cpu_native.prepare_linear(x, panels, outs["linear"], res, query_start, per_sequence=True),
+               cpu_native.prepare_linear_q(x, blocks, outs["linear_q"], res, q41, query_start, per_sequence=True)]
+    for starts, computed in [([0, 3, 5, 5], 2), ([0, 1, 1, 1], 1), ([0, 0, 0, 0], 0), ([0, 2, 2, 4], 3),
+                             ([0, 1, 2, 3], 3)]:
+        query_start.copy_(torch.tensor(starts, dtype=torch.int32))
+        for name, run in zip(("linear", "linear_q"), per_seq):
+            outs[name].fill_(7.0)
+            run()
+            assert torch.equal(outs[name][:computed], whole[name][:computed]), (name, starts)
+            assert (outs[name][computed:] == 7.0).all(), (name, starts)
 
 
 def test_rows_must_be_a_1d_int32_tensor():
     x, panels = torch.randn(4, 32), cpu_native.pack_panels(torch.randn(32, 20))
     for bad in (torch.zeros(3, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
-                torch.zeros(2, 2, dtype=torch.int32)):
-        with pytest.raises(ValueError, match="linear: rows must be a non-empty 1-D int32 tensor"):
+                torch.zeros(2, 2, dtype=torch.int32), torch.zeros(6, dtype=torch.int32)[::2]):
+        with pytest.raises(ValueError, match="linear: rows must be a non-empty contiguous 1-D int32 tensor"):
             torch.ops.slabserve.linear(x, panels, torch.empty(4, 20), None, bad)
     with pytest.raises(ValueError, match="silu_mul: rows must be"):
         torch.ops.slabserve.silu_mul(x, torch.empty(4, 16), torch.zeros(3))

@@ -85,7 +85,7 @@ def test_embed_q_gives_the_gguf_package_rows_exactly(name, k):
 
 
 @needs_native
-@pytest.mark.parametrize("name, k", [("Q4_1", 576), ("Q8_0", 1536), ("Q6_K", 512)])
+@pytest.mark.parametrize("name, k", [("Q4_0", 96), ("Q4_1", 576), ("Q8_0", 1536), ("Q6_K", 512)])
 def test_linear_q_rows_do_not_depend_on_the_other_rows(name, k):
     """Every row of a chunk gets the bits it gets alone or in any other batch: prefix reuse copies KV rows computed
     in one chunking into a prompt that would have computed them in another."""
@@ -94,7 +94,7 @@ def test_linear_q_rows_do_not_depend_on_the_other_rows(name, k):
     x = _randn(70, k, seed=2)
     full = torch.empty(70, 100)
     cpu_native.prepare_linear_q(x, rows, full, None, kind)()
-    for start, stop in [(0, 1), (3, 4), (5, 7), (10, 13), (13, 30), (31, 70), (69, 70)]:
+    for start, stop in [(0, 1), (3, 4), (5, 7), (10, 13), (20, 24), (13, 30), (31, 70), (69, 70)]:
         part = torch.empty(stop - start, 100)
         cpu_native.prepare_linear_q(x[start:stop], rows, part, None, kind)()
         assert torch.equal(part, full[start:stop]), (start, stop)
