@@ -217,32 +217,76 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* scale * q . k for `len` keys (rows of k, stride ldkv elements, of `kind`) into sc: eight keys at a time, each its
- * own accumulator, so the FMAs of eight dot products interleave instead of waiting on one chain. */
-static inline __attribute__((always_inline)) void block_scores(int D, const float *q, const void *k, int64_t ldkv,
-                                                               int len, float scale, float *sc, int kind) {
+/* scale * q . k for `len` keys (rows of k, stride ldkv elements, of `kind`), for `nq` (1..SCORE_HEADS) query heads at
+ * once (head h: q + h * D, into sc + h * KEY_BLOCK): eight keys at a time, each its own accumulator, so the FMAs of
+ * eight dot products interleave instead of waiting on one chain, and each key row is loaded once for all nq heads.
+ * Each (head, key) is the same chain and hsum8 whatever nq is. */
+#ifdef __AVX512F__
+#define SCORE_HEADS 3  /* 3 x 8 accumulators, 3 query and 1 key registers, of the 32 ymm AVX-512 VL gives */
+#else
+#define SCORE_HEADS 1
+#endif
+static inline __attribute__((always_inline)) void block_scores_heads(int nq, int D, const float *q, const void *k,
+                                                                     int64_t ldkv, int len, float scale, float *sc,
+                                                                     int kind) {
     int i = 0;
     for (; i + 8 <= len; i += 8) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        __m256 acc[SCORE_HEADS][8];
+        for (int h = 0; h < nq; h++)
+            for (int j = 0; j < 8; j++) acc[h][j] = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
-            __m256 qd = _mm256_loadu_ps(q + d);
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qd, load_kv8(k, (i + j) * ldkv + d, kind), acc[j]);
+            __m256 qd[SCORE_HEADS];
+            for (int h = 0; h < nq; h++) qd[h] = _mm256_loadu_ps(q + h * D + d);
+            for (int j = 0; j < 8; j++) {
+                __m256 kv = load_kv8(k, (i + j) * ldkv + d, kind);
+                for (int h = 0; h < nq; h++) acc[h][j] = _mm256_fmadd_ps(qd[h], kv, acc[h][j]);
+            }
         }
-        _mm256_storeu_ps(sc + i, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+        for (int h = 0; h < nq; h++)
+            _mm256_storeu_ps(sc + h * KEY_BLOCK + i, _mm256_mul_ps(hsum8(acc[h]), _mm256_set1_ps(scale)));
     }
-    for (; i < len; i++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_kv8(k, i * ldkv + d, kind), acc);
-        sc[i] = hsum256(acc) * scale;
-    }
+    if (i < len)
+        for (int h = 0; h < nq; h++) {
+            float *sh = sc + h * KEY_BLOCK;
+            for (int t = i; t < len; t++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), load_kv8(k, t * ldkv + d, kind), acc);
+                sh[t] = hsum256(acc) * scale;
+            }
+        }
 }
 
-/* acc[0..D) += sum_i p[i] * v_i over `len` rows of v (of `kind`): 32 columns at a time held in four registers. */
+/* The scores of all G heads of one query row over one block of keys: sc[h * KEY_BLOCK + i]. */
+static inline __attribute__((always_inline)) void group_scores(int G, int D, const float *q, const void *k,
+                                                               int64_t ldkv, int len, float scale, float *sc,
+                                                               int kind) {
+    int h = 0;
+#if SCORE_HEADS >= 3
+    for (; h + 3 <= G; h += 3) block_scores_heads(3, D, q + h * D, k, ldkv, len, scale, sc + h * KEY_BLOCK, kind);
+#endif
+#if SCORE_HEADS >= 2
+    for (; h + 2 <= G; h += 2) block_scores_heads(2, D, q + h * D, k, ldkv, len, scale, sc + h * KEY_BLOCK, kind);
+#endif
+    for (; h < G; h++) block_scores_heads(1, D, q + h * D, k, ldkv, len, scale, sc + h * KEY_BLOCK, kind);
+}
+
+/* acc[0..D) += sum_i p[i] * v_i over `len` rows of v (of `kind`): 64 columns at a time held in eight registers,
+ * eight independent FMA chains (four would wait on the FMA latency), then 32 and 8. Every column is the same chain
+ * over i in order whatever the width it is computed in. */
 static inline __attribute__((always_inline)) void block_values(int D, const float *p, const void *v, int64_t ldkv,
                                                                int len, float *acc, int kind) {
     int d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(acc + d + 8 * j);
+        for (int i = 0; i < len; i++) {
+            int64_t row = i * ldkv + d;
+            __m256 pi = _mm256_set1_ps(p[i]);
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(pi, load_kv8(v, row + 8 * j, kind), a[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + d + 8 * j, a[j]);
+    }
     for (; d + 32 <= D; d += 32) {
         __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
         __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
@@ -266,11 +310,52 @@ static inline __attribute__((always_inline)) void block_values(int D, const floa
     }
 }
 
+/* block_values for the G heads of one query row (head h: p + h * KEY_BLOCK into acc + h * D), SCORE_HEADS heads at a
+ * time over each 64 columns, so each row of v is loaded once for all of them; every column of every head is
+ * block_values' chain, so the same bits. */
+static inline __attribute__((always_inline)) void group_values(int G, int D, const float *p, const void *v,
+                                                               int64_t ldkv, int len, float *acc, int kind) {
+    int h = 0;
+#if SCORE_HEADS >= 3
+    if (D % 64 == 0)
+        for (; h + 3 <= G; h += 3)
+            for (int d = 0; d < D; d += 64) {
+                __m256 a[3][8];
+                for (int t = 0; t < 3; t++)
+                    for (int j = 0; j < 8; j++) a[t][j] = _mm256_loadu_ps(acc + (h + t) * D + d + 8 * j);
+                for (int i = 0; i < len; i++) {
+                    int64_t row = i * ldkv + d;
+                    __m256 p0 = _mm256_set1_ps(p[h * KEY_BLOCK + i]), p1 = _mm256_set1_ps(p[(h + 1) * KEY_BLOCK + i]);
+                    __m256 p2 = _mm256_set1_ps(p[(h + 2) * KEY_BLOCK + i]);
+                    for (int j = 0; j < 8; j++) {
+                        __m256 vv = load_kv8(v, row + 8 * j, kind);
+                        a[0][j] = _mm256_fmadd_ps(p0, vv, a[0][j]);
+                        a[1][j] = _mm256_fmadd_ps(p1, vv, a[1][j]);
+                        a[2][j] = _mm256_fmadd_ps(p2, vv, a[2][j]);
+                    }
+                }
+                for (int t = 0; t < 3; t++)
+                    for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + (h + t) * D + d + 8 * j, a[t][j]);
+            }
+#endif
+    for (; h < G; h++) block_values(D, p + h * KEY_BLOCK, v, ldkv, len, acc + h * D, kind);
+}
+
 /* Softmax bookkeeping of one head for one block of scores: raise the running max *m (rescaling the running sum *l
  * and the accumulator when it grows), turn the scores into exp(score - max) in place, add them to *l. */
 static void block_softmax(int D, float *sc, int len, float *m, float *l, float *acc) {
     float bm = *m;
-    for (int i = 0; i < len; i++) bm = sc[i] > bm ? sc[i] : bm;
+    int j = 0;
+    if (len >= 8) {  /* the block's max, eight lanes at a time (a max is exact in any order) */
+        __m256 mv = _mm256_loadu_ps(sc);
+        for (j = 8; j + 8 <= len; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float vm = _mm_cvtss_f32(h);
+        bm = vm > bm ? vm : bm;
+    }
+    for (; j < len; j++) bm = sc[j] > bm ? sc[j] : bm;
     if (bm > *m) {
         float corr = *m == -INFINITY ? 0.0f : expf(*m - bm);
         *l *= corr;
@@ -302,7 +387,7 @@ static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G,
                                                                    const void *k, const void *v, int64_t first,
                                                                    int64_t ldkv, int64_t n0, float scale,
                                                                    float *out, int64_t ldo, int kind) {
-    float acc[TILE_FLOATS], m[MAX_ROW_TILE * MAX_GROUP], l[MAX_ROW_TILE * MAX_GROUP], sc[KEY_BLOCK];
+    float acc[TILE_FLOATS], m[MAX_ROW_TILE * MAX_GROUP], l[MAX_ROW_TILE * MAX_GROUP], sc[MAX_GROUP * KEY_BLOCK];
     size_t item = kind == KV_F32 ? 4 : 2;
     for (int i = 0; i < R * G; i++) {
         m[i] = -INFINITY;
@@ -317,12 +402,12 @@ static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G,
             int64_t n = n0 + r;
             if (start >= n) continue;
             int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
+            group_scores(G, D, q + r * ldq, kb, ldkv, len, scale, sc, kind);
             for (int h = 0; h < G; h++) {
                 int i = r * G + h;
-                block_scores(D, q + r * ldq + h * D, kb, ldkv, len, scale, sc, kind);
-                block_softmax(D, sc, len, &m[i], &l[i], acc + (size_t)i * D);
-                block_values(D, sc, vb, ldkv, len, acc + (size_t)i * D, kind);
+                block_softmax(D, sc + h * KEY_BLOCK, len, &m[i], &l[i], acc + (size_t)i * D);
             }
+            group_values(G, D, sc, vb, ldkv, len, acc + (size_t)r * G * D, kind);
         }
     }
     for (int r = 0; r < R; r++)
