@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from slabserve.runtime.arena import committed_zeros
 from slabserve.runtime.bundle_checks import (DTYPES, PlanMismatchError, check_fingerprints, check_gemm_runs_here,
                                              check_graph_fingerprints, check_weight_layout, plan_model_path)
 from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
@@ -114,15 +115,42 @@ class _Live:
 WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (each run is a whole step)
 
 
+class KVCommit:
+    """The K and V caches of `shape` and `dtype`, committed (runtime.arena) on a thread of their own that ends when
+    they are: the page faults run in the kernel beside the caller's Python, which holds the GIL (madvise does not).
+    `result()` waits for them and raises what the thread raised."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self._caches: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._commit, args=(shape, dtype), name="kv-commit", daemon=True)
+        self._thread.start()
+
+    def _commit(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        try:
+            self._caches = (committed_zeros(shape, dtype), committed_zeros(shape, dtype))
+        except BaseException as exc:  # handed to result(), on the caller's thread
+            self._error = exc
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        caches, self._caches = self._caches, None
+        return caches  # type: ignore[return-value]
+
+
 class Engine:
     def __init__(self, config: EngineConfig, source: WeightSource | None = None,
                  activation_plan: ActivationPlan | None = None, graph_fingerprints: Mapping[int, str] | None = None,
-                 graphs_dir: Path | None = None, warm_up: bool = True):
+                 graphs_dir: Path | None = None, warm_up: bool = True, kv_arena: "KVCommit | None" = None):
         """`activation_plan`: the plan bundle's activation layout; without one every intermediate gets its own
         bytes (`runtime.executor.plan_sequential`). `graph_fingerprints`: the plan's fingerprint of each bucket's
         traced step, checked against this process's trace (or the stored graphs of `graphs_dir`, read instead of
         tracing: runtime.graph_io) before anything is allocated. Refuses
-        (PlanViolationError) a plan that does not fit the traced step, or warm-up steps that create storage."""
+        (PlanViolationError) a plan that does not fit the traced step, or warm-up steps that create storage.
+        `kv_arena`: the K and V caches already being committed (from_plan starts that before the model is read),
+        used when their shape and dtype are the ones this engine computes."""
         source = source or open_model(config.model)
         self.config = config
         self.model_config = c = source.config
@@ -146,9 +174,16 @@ class Engine:
         self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, device=self.device,
                                   gemm=self.gemm, blocks=blocks)  # one weight arena
         rows = sum(k.tokens * k.count for k in config.classes) + sum(len(ids) for _, ids in config.prefixes)
-        self.k_cache = torch.zeros(c.num_layers, rows, c.num_kv_heads, c.head_dim, dtype=self.kv_dtype,
-                                   device=self.device)  # (L, N, Hkv, D)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        kv_shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)  # (L, N, Hkv, D)
+        caches = kv_arena.result() if kv_arena is not None and self.device.type == "cpu" else None
+        if caches is not None and all(t.shape == kv_shape and t.dtype == self.kv_dtype for t in caches):
+            self.k_cache, self.v_cache = caches
+        elif self.device.type == "cpu":  # committed by the kernel, faster than writing it (runtime.arena)
+            del caches
+            self.k_cache, self.v_cache = (committed_zeros(kv_shape, self.kv_dtype) for _ in range(2))
+        else:
+            self.k_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)
+            self.v_cache = torch.zeros_like(self.k_cache)
         self.inputs = {b: StepInputs(b, config.max_seqs, self.device) for b in buckets}
         if graphs_dir is not None:
             programs = read_programs(graphs_dir, dict(self.step_fn.named_buffers()))
@@ -189,6 +224,9 @@ class Engine:
         if not plan.servable:
             raise PlanMismatchError(f"{directory}: plan {plan.name!r} was built without weights (weights: none), for "
                                     "capacity planning only; build a plan from the model's weights to serve it")
+        kv = plan.kv  # commit the KV arena (seconds of page faults) while the model's file is read and checked
+        kv_arena = KVCommit((kv.num_layers, kv.rows, kv.num_kv_heads, kv.head_dim), DTYPES[kv.dtype]) \
+            if engine_device(plan.engine.device).type == "cpu" and kv.dtype in DTYPES else None
         source = open_model(plan_model_path(plan))
         check_fingerprints(plan, source, Path(directory))
         check_weight_layout(plan, source)
@@ -200,7 +238,7 @@ class Engine:
         fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
         graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
         engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
-                     fingerprints, graphs, warm_up=warm_up)
+                     fingerprints, graphs, warm_up=warm_up, kv_arena=kv_arena)
         engine.plan_id = plan_id
         engine.plan_name = plan.name
         return engine
@@ -349,14 +387,14 @@ class Engine:
         seconds: dict[int, float] = {}
         sequences: dict[int, int] = {}  # bucket -> sequences of its warm-up chunks (only their logits are computed)
 
-        def fill(kind: str) -> None:
+        def fill(kind: str, max_chunk: int | None = None) -> None:
             for bucket, inputs in self.inputs.items():
-                chunks = self._warm_up_chunks(bucket, kind)
+                chunks = self._warm_up_chunks(bucket, kind, max_chunk)
                 inputs.fill(chunks)
                 sequences[bucket] = len(chunks)
 
-        def every_bucket() -> None:
-            for bucket in self.inputs:
+        def every_bucket(buckets=self.inputs) -> None:
+            for bucket in buckets:
                 started = time.perf_counter()
                 logits = self._run_step(bucket)  # (R, V), R = logits_rows(bucket, max_seqs)
                 rows = list(range(min(2, sequences[bucket])))
@@ -364,11 +402,13 @@ class Engine:
                 took = time.perf_counter() - started
                 seconds[bucket] = min(seconds.get(bucket, took), took)
 
-        for kind in ("longest", "start"):
-            fill(kind)
-            every_bucket()
-            if kind == "longest":
-                seconds.clear()  # a step over the longest context is not what a typical step costs
+        # the largest call a step makes (the largest bucket's chunk ending on the longest slab's last row) sets the
+        # high-water mark of what libraries keep; then every bucket from position 0
+        fill("longest")
+        every_bucket([max(self.inputs)])
+        seconds.clear()  # a step over the longest context is not what a typical step costs
+        fill("start")
+        every_bucket()
         typical = dict(seconds)  # chunks from position 0: admission by latency starts from these
         copy = self._measure_copies(typical)
 
@@ -378,12 +418,17 @@ class Engine:
             every_bucket()
 
         # checked: steps that mix a decode row at the end of the longest slab with prefill chunks and decode rows
-        # starting mid-slab (after a copy of retained rows between slabs), at the serving thread count and at one
-        # thread (where every parallel body runs on this thread, under the check)
+        # starting mid-slab (after a copy of retained rows between slabs), at the serving thread count; then at one
+        # thread (where every parallel body runs on this thread, under the check) the same kinds of rows, three
+        # sequences a bucket (that decode row, a prefill chunk of at most 8 tokens, a decode row): every node and
+        # every parallel body runs, and the CPU kernels compute the real rows only (kernels.ops: ROWS), so it costs
+        # a fraction of full buckets at one thread
         fill("mixed")
-        for single_thread in (False, True):
-            check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
-                                 single_thread=single_thread, device=self.device)
+        check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
+                             single_thread=False, device=self.device)
+        fill("mixed", max_chunk=8)
+        check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
+                             single_thread=True, device=self.device)
         self.scheduler.step_times.seed(typical)  # admission by latency starts from these, then measures
         self.scheduler.forget_free_prefixes()  # the warm-up wrote into free slabs
         self._prefill_declared()
@@ -452,24 +497,25 @@ class Engine:
                 offset += slab_class.tokens
         return slabs
 
-    def _warm_up_chunks(self, bucket: int, kind: str = "start") -> list[SeqChunk]:
+    def _warm_up_chunks(self, bucket: int, kind: str = "start", max_chunk: int | None = None) -> list[SeqChunk]:
         """`bucket` tokens spread over free slabs (at most max_seqs sequences), real token ids, rows of free slabs
         only. `kind`:
           "start"    every chunk from position 0 (most steps' shape);
           "longest"  the same, but the first chunk ends on the last row of the longest slab (attention over the
                      longest context: what libraries size by the largest call reaches its high-water mark);
           "mixed"    a decode row at the last position of the longest slab, then prefill chunks that start in the
-                     middle of their slabs, then decode rows mid-slab: the shapes of a busy step."""
+                     middle of their slabs, then decode rows mid-slab: the shapes of a busy step. With `max_chunk`:
+                     the first three of them, the prefill chunk at most max_chunk tokens."""
         slabs = self._slabs()
         longest = max(range(len(slabs)), key=lambda i: slabs[i][1])
         if kind == "mixed":
             first_row, rows = slabs[longest]
             chunks, left = [SeqChunk(first_row, rows - 1, [0], rows)], bucket - 1
             for n, i in enumerate(i for i in range(len(slabs)) if i != longest):
-                if left == 0 or len(chunks) == self.config.max_seqs:
+                if left == 0 or len(chunks) == (3 if max_chunk else self.config.max_seqs):
                     break
                 first_row, rows = slabs[i]
-                size = 1 if n % 2 else min(left, rows - rows // 2)  # decode rows between prefill chunks
+                size = 1 if n % 2 else min(left, rows - rows // 2, max_chunk or left)  # decode rows between chunks
                 chunks.append(SeqChunk(first_row, rows // 2, [0] * size, rows))
                 left -= size
             return chunks  # may leave padding rows: a busy step need not fill its bucket
