@@ -304,9 +304,20 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _attention_layout_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """What the native kernel takes: heads contiguous within a row of q, D a multiple of 8 up to 256, at most 16
     query heads per kv head (kernels/cpu_native.c)."""
-    _, num_heads, head_dim = q.shape
-    group = num_heads // max(k_cache.shape[1], 1)
-    return _heads_packed(q) and head_dim % 8 == 0 and head_dim <= 256 and 1 <= group <= 16
+    return _heads_packed(q) and _attention_shape_ok(q.shape[1], k_cache.shape[1], q.shape[2])
+
+
+def _attention_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    group = num_heads // max(num_kv_heads, 1)
+    return head_dim % 8 == 0 and head_dim <= 256 and 1 <= group <= 16
+
+
+def attention_runs_natively(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                            head_dim: int) -> bool:
+    """Whether a CPU step's slab_attention of this model takes the native kernel (stack only, whatever the
+    context) rather than the reference (whose GEMMs MKL sizes by the largest call it has seen)."""
+    return (_load() is not None and dtype == torch.float32 and kv_dtype in KV_KINDS
+            and _attention_shape_ok(num_heads, num_kv_heads, head_dim))
 
 
 def _heads_packed(x: torch.Tensor) -> bool:

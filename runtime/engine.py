@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from slabserve.kernels import cpu_native
 from slabserve.runtime.arena import committed_zeros
 from slabserve.runtime.bundle_checks import (DTYPES, PlanMismatchError, check_fingerprints, check_gemm_runs_here,
                                              check_graph_fingerprints, check_weight_layout, plan_model_path)
@@ -403,8 +404,13 @@ class Engine:
                 seconds[bucket] = min(seconds.get(bucket, took), took)
 
         # the largest call a step makes (the largest bucket's chunk ending on the longest slab's last row) sets the
-        # high-water mark of what libraries keep; then every bucket from position 0
-        fill("longest")
+        # high-water mark of what libraries keep; then every bucket from position 0. The native CPU attention keeps
+        # nothing (its stack only), so there a decode row at the end of the longest slab is enough: it binds the
+        # largest bucket without a full prefill over the longest context (about 1.5 s of start-up)
+        c = self.model_config
+        native = self.device.type == "cpu" and cpu_native.attention_runs_natively(
+            self.dtype, self.kv_dtype, c.num_heads, c.num_kv_heads, c.head_dim)
+        fill("mixed", max_chunk=1) if native else fill("longest")
         every_bucket([max(self.inputs)])
         seconds.clear()  # a step over the longest context is not what a typical step costs
         fill("start")
