@@ -133,6 +133,10 @@ class KVCommit:
         except BaseException as exc:  # handed to result(), on the caller's thread
             self._error = exc
 
+    def wait(self) -> None:
+        """Until the thread has ended (what it committed is dropped with this object)."""
+        self._thread.join()
+
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._thread.join()
         if self._error is not None:
@@ -228,18 +232,23 @@ class Engine:
         kv = plan.kv  # commit the KV arena (seconds of page faults) while the model's file is read and checked
         kv_arena = KVCommit((kv.num_layers, kv.rows, kv.num_kv_heads, kv.head_dim), DTYPES[kv.dtype]) \
             if engine_device(plan.engine.device).type == "cpu" and kv.dtype in DTYPES else None
-        source = open_model(plan_model_path(plan))
-        check_fingerprints(plan, source, Path(directory))
-        check_weight_layout(plan, source)
-        config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
-                              plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
-                              plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms,
-                              plan.engine.gemm, plan.engine.device, plan.engine.kv_dtype, plan.target.reserve_bytes,
-                              plan.engine.prefix_reuse, plan.declared_prefixes(), plan.engine.weight_format)
-        fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
-        graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
-        engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
-                     fingerprints, graphs, warm_up=warm_up, kv_arena=kv_arena)
+        try:
+            source = open_model(plan_model_path(plan))
+            check_fingerprints(plan, source, Path(directory))
+            check_weight_layout(plan, source)
+            config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
+                                  plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
+                                  plan.engine.dtype, plan.engine.queue_limit, plan.engine.max_queue_delay_ms,
+                                  plan.engine.gemm, plan.engine.device, plan.engine.kv_dtype, plan.target.reserve_bytes,
+                                  plan.engine.prefix_reuse, plan.declared_prefixes(), plan.engine.weight_format)
+            fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
+            graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
+            engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
+                         fingerprints, graphs, warm_up=warm_up, kv_arena=kv_arena)
+        except BaseException:
+            if kv_arena is not None:  # a refusal: let the commit end before the exception can end the process
+                kv_arena.wait()
+            raise
         engine.plan_id = plan_id
         engine.plan_name = plan.name
         return engine
