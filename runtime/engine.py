@@ -138,7 +138,7 @@ class KVCommit:
         self._thread.join()
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self._thread.join()
+        self.wait()
         if self._error is not None:
             raise self._error
         caches, self._caches = self._caches, None
@@ -180,15 +180,11 @@ class Engine:
                                   gemm=self.gemm, blocks=blocks)  # one weight arena
         rows = sum(k.tokens * k.count for k in config.classes) + sum(len(ids) for _, ids in config.prefixes)
         kv_shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)  # (L, N, Hkv, D)
-        caches = kv_arena.result() if kv_arena is not None and self.device.type == "cpu" else None
-        if caches is not None and all(t.shape == kv_shape and t.dtype == self.kv_dtype for t in caches):
-            self.k_cache, self.v_cache = caches
-        elif self.device.type == "cpu":  # committed by the kernel, faster than writing it (runtime.arena)
-            del caches
-            self.k_cache, self.v_cache = (committed_zeros(kv_shape, self.kv_dtype) for _ in range(2))
-        else:
-            self.k_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)
-            self.v_cache = torch.zeros_like(self.k_cache)
+        caches = kv_arena.result() if kv_arena is not None else None
+        if caches is None or any(t.shape != kv_shape or t.dtype != self.kv_dtype for t in caches):
+            caches = KVCommit(kv_shape, self.kv_dtype).result() if self.device.type == "cpu" else tuple(
+                torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device) for _ in range(2))
+        self.k_cache, self.v_cache = caches
         self.inputs = {b: StepInputs(b, config.max_seqs, self.device) for b in buckets}
         if graphs_dir is not None:
             programs = read_programs(graphs_dir, dict(self.step_fn.named_buffers()))
@@ -419,7 +415,10 @@ class Engine:
         c = self.model_config
         native = self.device.type == "cpu" and cpu_native.attention_runs_natively(
             self.dtype, self.kv_dtype, c.num_heads, c.num_kv_heads, c.head_dim)
-        fill("mixed", max_chunk=1) if native else fill("longest")
+        if native:
+            fill("mixed", max_chunk=1)
+        else:
+            fill("longest")
         every_bucket([max(self.inputs)])
         seconds.clear()  # a step over the longest context is not what a typical step costs
         fill("start")
