@@ -367,8 +367,17 @@ def served_rate(address: str, streams: int, max_tokens: int, vocab: int) -> dict
     begin = max(s[0] for s in times)
     end = min(s[-1] for s in times)
     inside = sum(sum(1 for t in s if begin < t <= end) for s in times)
+    window = "all streams decoding"
+    if end <= begin or inside == 0:
+        # More streams than the plan's sequences: some start only after others end, so there is no window where all
+        # decode. The rate is then every token after each stream's first, over the span from the first first token
+        # to the last token.
+        begin = min(s[0] for s in times)
+        end = max(s[-1] for s in times)
+        inside = sum(len(s) - 1 for s in times)
+        window = "whole run (streams queued)"
     tpot = sorted((s[-1] - s[0]) / (len(s) - 1) for s in times)
-    return {"streams": streams, "max_tokens": max_tokens, "wall_s": wall,
+    return {"streams": streams, "max_tokens": max_tokens, "wall_s": wall, "window": window,
             "decode_tok_s": inside / (end - begin) if end > begin else None, "tpot_ms_median": 1000 * tpot[len(tpot) // 2]}
 
 
