@@ -17,6 +17,7 @@ Phases:
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,9 @@ from slabserve.runtime.devices import GPU_KINDS
 from slabserve.runtime.loader import open_config, open_model
 from slabserve.kernels import cpu_native
 from slabserve.runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, default_gemm, weight_blocks, weight_layout
+from slabserve.runtime.ranks import collective_bytes
 from slabserve.runtime.step import logits_rows
+from slabserve.runtime.tensor_parallel import rank_config, rank_slice
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -60,9 +63,15 @@ class ModelInputs:
 
 def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     base = Path.cwd() if base_dir is None else Path(base_dir)
-    # 1) the model
+    # 1) the model, and the slice of it one rank holds (the whole model on one device): every arena below is one
+    #    rank's, on one device of the target (runtime/tensor_parallel.py)
     model = load_model(spec, base)
-    config = model.config
+    whole = model.config
+    try:
+        config = rank_config(whole, spec.tensor_parallel)
+    except ValueError as err:
+        raise BuildError(f"{spec.source}: {err}") from None
+    model = dataclasses.replace(model, config=config)
     # 2) weights, with a rope table for max_context positions until the slabs are known (then: the largest slab,
     #    as runtime.engine builds it; never more bytes, so the KV budget planned below still holds)
     gemm = choose_gemm(spec)
@@ -107,13 +116,13 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
         raise fit.FitError(fit.report(spec, totals, slabs))
     plan = P.Plan(
         schema=P.SCHEMA, version=P.SCHEMA_VERSION, name=spec.name, servable=spec.servable,
-        spec=spec_to_dict(spec), fingerprints=fingerprints(spec, config, model.weights_hash),
+        spec=spec_to_dict(spec), fingerprints=fingerprints(spec, whole, model.weights_hash),
         engine=engine_section(spec, model.resolved, base, rope_positions, gemm, weight_format, format_note),
-        model=model_summary(config),
+        model=model_summary(whole),
         target=P.TargetSection(spec.target.device, spec.target.gpu, spec.target.memory_bytes,
                                spec.target.reserve_bytes, requirements(spec, totals)),
         weights=weights, kv=kv, activations=activations, staging=staging, totals=totals,
-        capacity=capacity(slabs))
+        capacity=capacity(slabs), parallel=parallel_section(whole, spec.tensor_parallel, weights, totals))
     P.check_plan(plan)
     return Built(plan=plan, onnx_bucket=traced[0], traced=tuple(traced))
 
@@ -207,6 +216,10 @@ def choose_weight_format(spec: Spec, model: ModelInputs, gemm: str) -> tuple[str
             return fmt, weight_blocks(model.config, fmt, model.tensor_types), None
         except ValueError as err:
             why = str(err)
+            degree = model.config.tensor_parallel
+            if degree > 1:
+                why += (f" (at parallel.tensor: {degree} each rank's rows of o_proj and down_proj are 1/{degree} of "
+                        f"the model's; a degree whose slices are whole blocks, or weight_format: float, serves it)")
     if want == "auto":
         return "float", None, f"weight_format auto chose float: {why}"
     raise BuildError(f"{spec.source}: weight_format: {want} cannot be served: {why}; allowed here: float")
@@ -338,7 +351,9 @@ def staging_buffers(spec: Spec, config: ModelConfig) -> P.Staging:
     s, v = spec.max_seqs, config.vocab_size
     step_inputs = sum(24 * t + 4 * (s + 1) + 8 * s + 4 * s + 8 * logits_rows(t, s) for t in spec.buckets)
     sampler = s * v * (3 * 4 + 8 + 2 * 1 + 4) + 8 * v + s * SAMPLER_ROW_BYTES
-    return P.Staging(step_inputs_bytes=step_inputs, sampler_bytes=sampler, total_bytes=step_inputs + sampler)
+    collective = collective_bytes(spec.buckets, s, spec.tensor_parallel)
+    return P.Staging(step_inputs_bytes=step_inputs, sampler_bytes=sampler, collective_bytes=collective,
+                     total_bytes=step_inputs + sampler + collective)
 
 
 SAMPLER_ROW_BYTES = 4 + 4 + 8 + 8 + 8 + 8 + 4 * 4 + 8 + 1
@@ -379,6 +394,20 @@ def kv_arena(config: ModelConfig, kv_dtype: str, slabs: SlabPlan,
                      head_dim=config.head_dim, dtype=kv_dtype, bytes_per_token=slabs.kv_bytes_per_token,
                      k_bytes=one, v_bytes=one, arena_bytes=2 * one, classes=tuple(classes),
                      prefixes=tuple(declared))
+
+
+def parallel_section(whole: ModelConfig, degree: int, weights: P.WeightArena, totals: P.Totals) -> P.ParallelSection:
+    """Each rank's slice of the model and its bytes on its device: the same arenas on every rank, since every rank
+    holds the same number of heads and columns (runtime/tensor_parallel.py)."""
+    ranks = []
+    for r in range(degree):
+        s = rank_slice(whole, r, degree)
+        ranks.append(P.RankPlan(
+            rank=r, heads=s.heads, kv_heads=s.kv_heads, intermediate=s.intermediate,
+            weights_bytes=totals.weights_bytes, parameter_bytes=weights.parameter_bytes, kv_bytes=totals.kv_bytes,
+            activations_bytes=totals.activations_bytes, staging_bytes=totals.staging_bytes,
+            planned_bytes=totals.planned_bytes, headroom_bytes=totals.headroom_bytes, fits=totals.fits))
+    return P.ParallelSection(tensor=degree, ranks=tuple(ranks))
 
 
 def capacity(slabs: SlabPlan) -> P.Capacity:

@@ -40,6 +40,9 @@ The shape of a spec (`?` marks an optional key; its default follows `=`):
                                        # CPU kernels with float32 activations; auto takes gguf for a quantized GGUF
                                        # on a float32 cpu plan with gemm native, else float (the reason printed)
     max_context: 8192                  # longest prompt + output of one request
+    parallel?:                         # tensor parallelism (runtime/tensor_parallel.py): one plan per rank,
+      tensor: 1                        # each rank one device of `target`; N must divide the model's query heads,
+                                       # KV heads and MLP columns (the error lists the degrees that do)
     prefix_reuse?: true                # slabs keep their KV for later prompts that start the same way
                                        # (runtime/prefix_cache.py); outputs are the same either way
     prefixes?:                         # prompt beginnings kept warm: prefilled at start-up into rows of their own
@@ -203,6 +206,7 @@ class Spec:
     weight_format: str = "auto"             # "auto", "float", "gguf" or "q8_0" (kernels.quant.WEIGHT_FORMATS)
     prefix_reuse: bool = True               # retained prefixes (runtime.prefix_cache)
     prefixes: tuple[PrefixSpec, ...] = ()   # declared prefixes, prefilled at start-up
+    tensor_parallel: int = 1                # parallel.tensor: ranks (devices) the model is cut into
     source: str = field(default="<spec>", compare=False)  # where the spec came from, for messages only
 
     @property
@@ -357,7 +361,7 @@ def _show(value: object) -> str:
 
 
 _TOP_KEYS = ("name", "model", "target", "dtype", "kv_dtype", "max_seqs", "step_tokens", "buckets", "queue_limit",
-             "max_queue_delay_ms", "gemm", "weight_format", "max_context", "kv", "prefix_reuse", "prefixes")
+             "max_queue_delay_ms", "gemm", "weight_format", "max_context", "kv", "prefix_reuse", "prefixes", "parallel")
 
 _TOP_REQUIRED = ("name", "model", "target", "max_seqs", "step_tokens", "max_context", "kv")
 
@@ -401,6 +405,7 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
     prefixes = _parse_prefixes(top.get("prefixes"), base)
     if prefixes and not prefix_reuse:
         raise _Invalid("prefixes: declared prefixes are reused KV; they need prefix_reuse: true (or remove them)")
+    tensor_parallel = _parse_parallel(top.get("parallel"))
     return Spec(
         name=name,
         model=_parse_model(top["model"]),
@@ -418,8 +423,23 @@ def _parse_spec(data: object, source: str, base: Path) -> Spec:
         weight_format=weight_format,
         prefix_reuse=prefix_reuse,
         prefixes=prefixes,
+        tensor_parallel=tensor_parallel,
         source=source,
     )
+
+
+MAX_TENSOR_PARALLEL = 64
+
+
+def _parse_parallel(value: object) -> int:
+    if value is None:
+        return 1
+    section = _mapping(value, "parallel", ("tensor",), ("tensor",))
+    degree = _int(section["tensor"], "parallel.tensor")
+    if degree > MAX_TENSOR_PARALLEL:
+        raise _Invalid(f"parallel.tensor: {degree} is not allowed; expected an integer from 1 to "
+                       f"{MAX_TENSOR_PARALLEL} (ranks, one device each)")
+    return degree
 
 
 def _parse_prefixes(value: object, base: Path) -> tuple[PrefixSpec, ...]:
@@ -781,6 +801,7 @@ def spec_to_dict(spec: Spec) -> dict[str, Any]:
         "max_context": spec.max_context,
         "kv": _kv_to_dict(spec.kv),
         "prefix_reuse": spec.prefix_reuse,
+        "parallel": {"tensor": spec.tensor_parallel},
         **({"prefixes": [_prefix_to_dict(p) for p in spec.prefixes]} if spec.prefixes else {}),
     }
 

@@ -18,6 +18,8 @@ the first CUDA call (during warm-up, before any graph capture).
   slabserve::linear(x, w, out, residual, rows, per_sequence)   CPU only: w packed as column panels
   slabserve::linear_q(x, w, out, residual, qtype, rows, per_sequence)   CPU only: w rows of GGUF blocks
   slabserve::embed_q(ids, w, out, qtype)            CPU only: rows of GGUF blocks gathered and dequantized
+  slabserve::all_reduce_residual(out, residual, rows)   tensor parallelism: sum over the ranks, + residual
+                                                    (kernels/collectives.py)
 
 ROWS. The row-wise ops that carry most of a step's work (linear, linear_q, rms_norm, silu_mul) take an optional
 `rows`: the step's query_start (S+1,) int32. Its last value counts the real token rows of the padded bucket; with
@@ -40,7 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from slabserve.kernels import contracts, cpu_native, reference
+from slabserve.kernels import collectives, contracts, cpu_native, reference
 
 _LIB = "slabserve"
 
@@ -219,7 +221,8 @@ def _embed_q_fake(ids: Tensor, w: Tensor, out: Tensor, qtype: int) -> None:
 CPU_PREPARE = {"rms_norm": cpu_native.prepare_rms_norm, "rope": cpu_native.prepare_rope,
                "silu_mul": cpu_native.prepare_silu_mul, "kv_write": cpu_native.prepare_kv_write,
                "slab_attention": cpu_native.prepare_slab_attention, "linear": cpu_native.prepare_linear,
-               "linear_q": cpu_native.prepare_linear_q, "embed_q": cpu_native.prepare_embed_q}
+               "linear_q": cpu_native.prepare_linear_q, "embed_q": cpu_native.prepare_embed_q,
+               "all_reduce_residual": collectives.prepare_all_reduce_residual}
 
 
 # --- the functions models call ----------------------------------------------------------------------------

@@ -54,6 +54,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # 1 for a whole model. N > 1: this config is one rank's slice of a model served at tensor-parallel degree N
+    # (runtime/tensor_parallel.py): num_heads, num_kv_heads and intermediate_size are already divided by N, and the
+    # step sums the outputs of o_proj and down_proj over the ranks.
+    tensor_parallel: int = 1
 
     @property
     def q_size(self) -> int:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +26,8 @@ from slabserve.runtime.bundle_checks import (DTYPES, PlanMismatchError, check_fi
                                              check_graph_fingerprints, check_weight_layout, plan_model_path)
 from slabserve.runtime.executor import (ActivationPlan, CudaGraphRunner, PlannedExecutor,
                                         check_no_allocations, plan_sequential)
-from slabserve.runtime.loader import GGUFSource, WeightSource, open_model
+from slabserve.runtime.loader import WeightSource, open_model
+from slabserve.runtime.tensor_parallel import ShardedSource
 from slabserve.runtime.graph_io import GRAPHS_FILE, read_programs
 from slabserve.runtime.plan import read_plan_and_id
 from slabserve.runtime.model import build_step, default_gemm, source_blocks
@@ -35,6 +37,9 @@ from slabserve.runtime.slab_allocator import SlabClass
 from slabserve.runtime.step import SeqChunk, StepInputs
 from slabserve.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from slabserve.runtime.trace import export_step
+
+if TYPE_CHECKING:
+    from slabserve.runtime.ranks import RankGroup
 
 
 
@@ -148,15 +153,19 @@ class KVCommit:
 class Engine:
     def __init__(self, config: EngineConfig, source: WeightSource | None = None,
                  activation_plan: ActivationPlan | None = None, graph_fingerprints: Mapping[int, str] | None = None,
-                 graphs_dir: Path | None = None, warm_up: bool = True, kv_arena: "KVCommit | None" = None):
+                 graphs_dir: Path | None = None, warm_up: bool = True, kv_arena: "KVCommit | None" = None,
+                 ranks: "RankGroup | None" = None):
         """`activation_plan`: the plan bundle's activation layout; without one every intermediate gets its own
         bytes (`runtime.executor.plan_sequential`). `graph_fingerprints`: the plan's fingerprint of each bucket's
         traced step, checked against this process's trace (or the stored graphs of `graphs_dir`, read instead of
         tracing: runtime.graph_io) before anything is allocated. Refuses
         (PlanViolationError) a plan that does not fit the traced step, or warm-up steps that create storage.
         `kv_arena`: the K and V caches already being committed (from_plan starts that before the model is read),
-        used when their shape and dtype are the ones this engine computes."""
+        used when their shape and dtype are the ones this engine computes. `ranks`: this process's place in a
+        tensor-parallel group (runtime.ranks; `source` is then the rank's slice, runtime.tensor_parallel): rank 0
+        sends every step and KV copy to the other ranks before running it."""
         source = source or open_model(config.model)
+        self.ranks = ranks
         self.config = config
         self.model_config = c = source.config
         self.tokenizer = _tokenizer_for(source)
@@ -186,6 +195,8 @@ class Engine:
                 torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device) for _ in range(2))
         self.k_cache, self.v_cache = caches
         self.inputs = {b: StepInputs(b, config.max_seqs, self.device) for b in buckets}
+        if ranks is not None:
+            ranks.bind(buckets, config.max_seqs)
         if graphs_dir is not None:
             programs = read_programs(graphs_dir, dict(self.step_fn.named_buffers()))
         else:
@@ -216,12 +227,23 @@ class Engine:
             self.warm_up()
 
     @classmethod
-    def from_plan(cls, directory: str | Path, warm_up: bool = True) -> "Engine":
+    def from_plan(cls, directory: str | Path, warm_up: bool = True, ranks: "RankGroup | None" = None) -> "Engine":
         """The engine a plan bundle describes, after checking the bundle against this machine: the model's config
         and weight contents, the torch/triton versions and the device must be the ones the plan was built for
         (PlanMismatchError names which differs and how to rebuild); the KV and activation arenas are allocated at
-        exactly the planned sizes. `warm_up`: as for the constructor."""
+        exactly the planned sizes. `warm_up`: as for the constructor. `ranks`: this process's place in the group of
+        a tensor-parallel plan (runtime.ranks), which needs one of its plan's degree."""
         plan, plan_id = read_plan_and_id(directory)
+        degree = plan.parallel.tensor
+        if degree > 1 and (ranks is None or ranks.world != degree):
+            raise PlanMismatchError(
+                f"{directory}: plan {plan.name!r} is tensor-parallel over {degree} ranks"
+                + (f" and this group has {ranks.world}" if ranks is not None else "")
+                + f": serve it with `slabserve serve {directory}` (which starts its {degree} ranks) or "
+                  f"`torchrun --nproc-per-node {degree} -m slabserve.runtime.serve_cli {directory}`")
+        if degree == 1 and ranks is not None and ranks.world != 1:
+            raise PlanMismatchError(f"{directory}: plan {plan.name!r} serves on one device and this process is one "
+                                    f"of {ranks.world} ranks: start it once, without torchrun")
         if not plan.servable:
             raise PlanMismatchError(f"{directory}: plan {plan.name!r} was built without weights (weights: none), for "
                                     "capacity planning only; build a plan from the model's weights to serve it")
@@ -231,6 +253,8 @@ class Engine:
         try:
             source = open_model(plan_model_path(plan))
             check_fingerprints(plan, source, Path(directory))
+            if degree > 1:
+                source = ShardedSource(source, ranks.rank, degree)
             check_weight_layout(plan, source)
             config = EngineConfig(str(source.path), tuple(SlabClass(t, n) for t, n in plan.slab_classes()),
                                   plan.engine.max_seqs, plan.engine.step_tokens, tuple(plan.engine.buckets),
@@ -240,7 +264,8 @@ class Engine:
             fingerprints = {b.tokens: b.graph_fingerprint for b in plan.activations.buckets}
             graphs = Path(directory) if (Path(directory) / GRAPHS_FILE).is_file() else None
             engine = cls(config, source, ActivationPlan(plan.activations.arena_bytes, plan.activation_offsets()),
-                         fingerprints, graphs, warm_up=warm_up, kv_arena=kv_arena)
+                         fingerprints, graphs, warm_up=warm_up, kv_arena=kv_arena,
+                         ranks=ranks if degree > 1 else None)
         except BaseException:
             if kv_arena is not None:  # a refusal: let the commit end before the exception can end the process
                 kv_arena.wait()
@@ -331,15 +356,41 @@ class Engine:
 
     def _copy_rows(self, src: int, dst: int, rows: int) -> None:
         """KV rows src .. src+rows-1 onto dst .. dst+rows-1 in every layer: views of the arena, no new storage."""
+        if self.ranks is not None and self.ranks.leads:
+            self.ranks.send_copy(src, dst, rows)
         for cache in (self.k_cache, self.v_cache):
             cache[:, dst : dst + rows].copy_(cache[:, src : src + rows])
 
     def _run_step(self, bucket: int) -> torch.Tensor:
         """The step of `bucket` on its filled inputs: logits (R, V) (R = runtime.step.logits_rows), a view into the
         activation arena."""
+        if self.ranks is not None and self.ranks.leads:
+            self.ranks.send_step(bucket, self.inputs[bucket].tensors())
         if self._graphs is not None:
             return self._graphs.replay(bucket)
         return self.executor.run(bucket, self.inputs[bucket].tensors(), self.k_cache, self.v_cache)
+
+    def keep_alive(self) -> None:
+        """Called by the engine loop while idle: a tensor-parallel leader pings its group (runtime.ranks), so a rank
+        that died or hangs is found with no traffic."""
+        if self.ranks is not None and self.ranks.leads:
+            self.ranks.ping_if_idle()
+
+    def _check_no_allocations(self, fn, steps: int, what: str, single_thread: bool) -> None:
+        """check_no_allocations here, and on every other rank of a tensor-parallel group over the same steps."""
+        if self.ranks is None:
+            check_no_allocations(fn, steps, what, single_thread=single_thread, device=self.device)
+            return
+        self.ranks.check_begin(single_thread)
+        try:
+            check_no_allocations(fn, steps, what, single_thread=single_thread, device=self.device)
+        finally:
+            counts = self.ranks.check_end()
+        bad = {r: n for r, n in enumerate(counts) if n}
+        if bad:
+            raise PlanViolationError(f"{what} created tensor storages on rank(s) "
+                                     f"{', '.join(f'{r} ({n})' for r, n in bad.items())} of the tensor-parallel "
+                                     f"group (each rank's log names the ops); refusing to serve")
 
     def _sample(self, scheduled: ScheduledStep, logits: torch.Tensor) -> dict[str, int]:
         rows = [i for i, chunk in enumerate(scheduled.chunks) if chunk.sample]
@@ -438,11 +489,11 @@ class Engine:
         # every parallel body runs, and the CPU kernels compute the real rows only (kernels.ops: ROWS), so it costs
         # a fraction of full buckets at one thread
         fill("mixed")
-        check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
-                             single_thread=False, device=self.device)
+        self._check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
+                                   single_thread=False)
         fill("mixed", max_chunk=8)
-        check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
-                             single_thread=True, device=self.device)
+        self._check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
+                                   single_thread=True)
         self.scheduler.step_times.seed(typical)  # admission by latency starts from these, then measures
         self.scheduler.forget_free_prefixes()  # the warm-up wrote into free slabs
         self._prefill_declared()
@@ -661,6 +712,6 @@ def _powers_of_two(limit: int) -> tuple[int, ...]:
 
 
 def _tokenizer_for(source: WeightSource) -> Tokenizer:
-    if isinstance(source, GGUFSource):
+    if getattr(source, "format", None) == "gguf":  # a GGUFSource, or one rank's view of it
         return Tokenizer.from_gguf(source.path, reader=source.reader)
     return Tokenizer.from_hf_dir(Path(source.path))

@@ -144,6 +144,8 @@ class EngineLoop:
                 if self.engine.has_work():
                     self._route(self.engine.step())
                     self.observe_load()
+                else:
+                    self.engine.keep_alive()  # a tensor-parallel group's heartbeat (runtime.ranks)
                 self._full_queues = self.engine.scheduler.full_queues()
                 self._publish_admission()
         except BaseException as exc:  # noqa: BLE001 - the engine thread must report, not vanish

@@ -360,18 +360,39 @@ def allocations(fn: Callable[[], object], steps: int = 1, single_thread: bool = 
     worker threads do not inherit it, so by default the check runs with one intra-op thread: every `parallel_for`
     body then runs on the calling thread, under the profiler (a worker thread only runs chunks of a body that the
     calling thread runs whole here)."""
-    threads = torch.get_num_threads()
-    if single_thread:
-        torch.set_num_threads(1)
+    watch = AllocationWatch(single_thread)
     try:
+        for _ in range(steps):
+            fn()
+    finally:
+        found = watch.stop()
+    return found
+
+
+class AllocationWatch:
+    """`allocations` as a start and a stop, for code that is not one function: a tensor-parallel follower watches
+    the steps its leader sends between two messages (runtime.ranks). Starts at construction."""
+
+    def __init__(self, single_thread: bool = True):
+        self._threads = torch.get_num_threads()
+        self._single = single_thread
+        if single_thread:
+            torch.set_num_threads(1)
         # torch.autograd.profiler.profile is what torch.profiler.profile wraps; the wrapper's start asks
         # hasattr(torch, "_inductor"), which imports inductor: 1.5-2.6 s of every server's start-up
-        with torch.autograd.profiler.profile(use_cpu=True, profile_memory=True) as prof:
-            for _ in range(steps):
-                fn()
-    finally:
-        torch.set_num_threads(threads)
-    return list(_allocation_events(prof.kineto_results.experimental_event_tree(), ()))
+        self._prof = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
+        try:
+            self._prof.__enter__()
+        except BaseException:
+            torch.set_num_threads(self._threads)
+            raise
+
+    def stop(self) -> list[Allocation]:
+        try:
+            self._prof.__exit__(None, None, None)
+        finally:
+            torch.set_num_threads(self._threads)
+        return list(_allocation_events(self._prof.kineto_results.experimental_event_tree(), ()))
 
 
 def _allocation_events(events, ops: tuple[str, ...]):

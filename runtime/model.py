@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
-from slabserve.kernels import cpu_native, quant
+from slabserve.kernels import collectives, cpu_native, quant
 from slabserve.kernels.contracts import panel_shape
 from slabserve.kernels.reference import cpu_workspace_numel
 from slabserve.kernels.workspace import decode_workspace_shape
@@ -495,7 +495,7 @@ class LlamaStep(nn.Module):
         attn = torch.empty(t, c.num_heads, c.head_dim, dtype=x.dtype, device=x.device)  # (T, H, D)
         ops.slab_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, self.scale, attn,
                            attn_workspace)
-        return self._linear(attn.view(t, c.q_size), f"{n}.wo", c.hidden_size, residual=x, rows=rows)
+        return self._project_out(attn.view(t, c.q_size), f"{n}.wo", x, rows)
 
     def _mlp_block(self, n: int, x: torch.Tensor, scratch: torch.Tensor | None,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -504,7 +504,18 @@ class LlamaStep(nn.Module):
                                2 * inter, rows=rows)  # (T, 2I)
         act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)  # (T, I)
         ops.silu_mul(gate_up, act, rows)
-        return self._linear(act, f"{n}.wdown", self.config.hidden_size, residual=x, rows=rows)
+        return self._project_out(act, f"{n}.wdown", x, rows)
+
+    def _project_out(self, x: torch.Tensor, name: str, residual: torch.Tensor,
+                     rows: torch.Tensor | None) -> torch.Tensor:
+        """o_proj or down_proj back into the residual stream. At tensor-parallel degree N each rank's product is a
+        partial sum over its heads or columns: summed over the ranks in place, then the residual added
+        (kernels/collectives.py)."""
+        hidden = self.config.hidden_size
+        if self.config.tensor_parallel == 1:
+            return self._linear(x, name, hidden, residual=residual, rows=rows)
+        out = self._linear(x, name, hidden, rows=rows)  # (T, hidden), this rank's part
+        return collectives.all_reduce_residual(out, residual, rows)
 
 
 def _buffer_name(name: str) -> str:

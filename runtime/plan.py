@@ -25,8 +25,8 @@ from typing import Any
 import msgpack
 
 SCHEMA = "slabserve.plan"
-SCHEMA_VERSION = 4  # 2: target.requires; 3: engine.prefix_reuse, kv.prefixes; 4: engine.weight_format(_note),
-#                     weights.entries[].block_type
+SCHEMA_VERSION = 5  # 2: target.requires; 3: engine.prefix_reuse, kv.prefixes; 4: engine.weight_format(_note),
+#                     weights.entries[].block_type; 5: parallel, staging.collective_bytes
 GEMMS = ("aten", "native")  # runtime.model.GEMMS (this module imports nothing of ours)
 # Weight arena formats (kernels/quant.py): float dequantizes at load; gguf keeps a GGUF file's blocks; q8_0 quantizes
 WEIGHT_FORMATS = ("float", "gguf", "q8_0")
@@ -183,6 +183,33 @@ class Staging:
     step_inputs_bytes: int  # runtime.step.StepInputs of every bucket (pinned on cuda)
     sampler_bytes: int  # runtime.sampler.Sampler's (S, V) buffers
     total_bytes: int
+    collective_bytes: int = 0  # tensor parallelism: the step message each rank receives (runtime.ranks); 0 at one
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """One rank of a tensor-parallel plan: the slice of the model it holds, as [start, stop) of the whole model's
+    query heads, KV heads and MLP columns (runtime.tensor_parallel), and its bytes on its own device. Every rank's
+    arenas have the same layout (the plan's weights, kv, activations and staging sections); only the slice differs."""
+
+    rank: int
+    heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    intermediate: tuple[int, ...]
+    weights_bytes: int  # its weight shard, the replicated embedding, norms and lm_head, and the rope table
+    parameter_bytes: int  # of which model parameters
+    kv_bytes: int  # its KV heads of every slab
+    activations_bytes: int
+    staging_bytes: int  # step inputs, sampler and the collective buffer
+    planned_bytes: int
+    headroom_bytes: int  # one device of the target, less the reserve and the planned bytes; may be negative
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelSection:
+    tensor: int  # tensor-parallel degree: ranks, one device each; 1 for one device
+    ranks: tuple[RankPlan, ...]  # one per rank, in rank order
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +286,7 @@ class Plan:
     staging: Staging
     totals: Totals
     capacity: Capacity
+    parallel: ParallelSection
 
     def activation_offsets(self) -> dict[int, dict[str, int]]:
         """bucket tokens -> traced node name -> byte offset in the activation arena (runtime.executor.ActivationPlan
@@ -274,7 +302,7 @@ class Plan:
         return tuple((c.tokens, c.count) for c in self.kv.classes)
 
 
-_SIGNED = {("Totals", "headroom_bytes")}  # the only int allowed below zero
+_SIGNED = {("Totals", "headroom_bytes"), ("RankPlan", "headroom_bytes")}  # the only ints allowed below zero
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -480,9 +508,10 @@ def check_plan(plan: Plan) -> None:
     _check_engine(plan.engine, plan.servable)
     _check_requirements(plan)
     _check_weights(plan.weights)
-    _check_kv(plan.kv, plan.model, plan.engine)
+    _check_kv(plan.kv, plan.model, plan.engine, plan.parallel.tensor)
     _check_activations(plan.activations, plan.engine.buckets)
     _check_totals(plan)
+    _check_parallel(plan)
 
 
 def _need(ok: bool, message: str) -> None:
@@ -558,9 +587,12 @@ def _check_weights(w: WeightArena) -> None:
     _need(w.parameter_bytes <= w.arena_bytes, "weights.parameter_bytes: above the arena")
 
 
-def _check_kv(kv: KVArena, model: ModelSummary, engine: EngineSection) -> None:
-    _need((kv.num_layers, kv.num_kv_heads, kv.head_dim) == (model.num_layers, model.num_kv_heads, model.head_dim),
-          "kv: (L, Hkv, D) does not match the model")
+def _check_kv(kv: KVArena, model: ModelSummary, engine: EngineSection, degree: int = 1) -> None:
+    _need(degree >= 1 and model.num_kv_heads % degree == 0,
+          f"parallel.tensor: {degree} does not divide the model's {model.num_kv_heads} KV heads")
+    _need((kv.num_layers, kv.num_kv_heads, kv.head_dim) == (model.num_layers, model.num_kv_heads // degree,
+                                                            model.head_dim),
+          "kv: (L, Hkv, D) does not match the model (Hkv: a rank's share of the KV heads)")
     _need(kv.dtype == engine.kv_dtype, f"kv.dtype: {kv.dtype!r} is not engine.kv_dtype ({engine.kv_dtype!r})")
     size = _dtype_size(kv.dtype, "kv.dtype")
     _need(kv.bytes_per_token == 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * size,
@@ -630,8 +662,8 @@ def _check_totals(plan: Plan) -> None:
     _need(t.weights_bytes == plan.weights.arena_bytes, "totals.weights_bytes: is not weights.arena_bytes")
     _need(t.kv_bytes == plan.kv.arena_bytes, "totals.kv_bytes: is not kv.arena_bytes")
     _need(t.activations_bytes == plan.activations.arena_bytes, "totals.activations_bytes: is not the arena's")
-    _need(plan.staging.total_bytes == plan.staging.step_inputs_bytes + plan.staging.sampler_bytes,
-          "staging.total_bytes: does not add up")
+    _need(plan.staging.total_bytes == plan.staging.step_inputs_bytes + plan.staging.sampler_bytes
+          + plan.staging.collective_bytes, "staging.total_bytes: does not add up")
     _need(t.staging_bytes == plan.staging.total_bytes, "totals.staging_bytes: is not staging.total_bytes")
     _need(t.planned_bytes == t.weights_bytes + t.kv_bytes + t.activations_bytes + t.staging_bytes,
           "totals.planned_bytes: does not add up")
@@ -641,3 +673,26 @@ def _check_totals(plan: Plan) -> None:
     _need(t.fits == (t.headroom_bytes >= 0), "totals.fits: disagrees with the headroom")
     _need(plan.capacity.max_request_tokens == plan.kv.classes[-1].tokens,
           "capacity.max_request_tokens: is not the largest slab class")
+
+
+def _check_parallel(plan: Plan) -> None:
+    p, m, t = plan.parallel, plan.model, plan.totals
+    _need(p.tensor >= 1, "parallel.tensor: must be >= 1")
+    _need(len(p.ranks) == p.tensor, f"parallel.ranks: {len(p.ranks)} ranks for parallel.tensor {p.tensor}")
+    _need(p.tensor > 1 or plan.staging.collective_bytes == 0, "staging.collective_bytes: a one-device plan has none")
+    wholes = {"heads": m.num_heads, "kv_heads": m.num_kv_heads, "intermediate": m.intermediate_size}
+    ends = dict.fromkeys(wholes, 0)
+    for i, r in enumerate(p.ranks):
+        where = f"parallel.ranks[{i}]"
+        _need(r.rank == i, f"{where}.rank: {r.rank}, expected {i}")
+        for key, whole in wholes.items():
+            part = getattr(r, key)
+            _need(len(part) == 2 and part[0] == ends[key] and part[1] - part[0] == whole // p.tensor,
+                  f"{where}.{key}: {list(part)} is not rank {i}'s [start, stop) of {whole}")
+            ends[key] = part[1]
+        mine = (r.weights_bytes, r.parameter_bytes, r.kv_bytes, r.activations_bytes, r.staging_bytes,
+                r.planned_bytes, r.headroom_bytes, r.fits)
+        _need(mine == (t.weights_bytes, plan.weights.parameter_bytes, t.kv_bytes, t.activations_bytes,
+                       t.staging_bytes, t.planned_bytes, t.headroom_bytes, t.fits),
+              f"{where}: its bytes are not the plan's per-rank totals (every rank has the same layout)")
+    _need(all(ends[k] == w for k, w in wholes.items()), "parallel.ranks: the slices do not cover the model")

@@ -25,6 +25,7 @@ from slabserve.runtime.engine import Engine, EngineConfig
 from slabserve.runtime.engine_loop import limit_malloc_arenas, on_a_passing_thread
 from slabserve.runtime.executor import PlanViolationError
 from slabserve.runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
+from slabserve.runtime.ranks import DEFAULT_COLLECTIVE_TIMEOUT_S, GroupFailed, RankGroup, launch, rendezvous_env
 from slabserve.runtime.server import create_server
 from slabserve.runtime.slab_allocator import SlabClass
 
@@ -49,6 +50,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--auth-token-file", help="file holding a bearer token every call must send")
     parser.add_argument("--open-health", action="store_true",
                         help="with --auth-token-file: answer health checks and reflection without the token")
+    parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S, metavar="SECONDS",
+                        help="tensor-parallel plans: how long a collective may wait for a rank before the group is "
+                             "declared broken (health NOT_SERVING, every rank exits)")
     parser.add_argument("--memory-limit", type=_size_arg, metavar="SIZE",
                         help="most memory the server may use (8GiB, ...; a container's share, say): on CPU the "
                              "whole process, on CUDA the plan's arenas on the device; a plan that does not fit "
@@ -75,7 +79,7 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _engine_from_args(args: argparse.Namespace) -> Engine:
+def _engine_from_args(args: argparse.Namespace, ranks: RankGroup | None = None) -> Engine:
     if args.bundle is not None:
         from slabserve.runtime.config import ModelLoadError
         from slabserve.runtime.bundle_checks import PlanMismatchError
@@ -85,7 +89,7 @@ def _engine_from_args(args: argparse.Namespace) -> Engine:
         try:
             _check_memory(read_plan(args.bundle), args.memory_limit)  # before Engine.from_plan allocates anything
             # server.warm_up runs the warm-up on the engine thread; the build runs where its OpenMP team ends with it
-            return on_a_passing_thread(lambda: Engine.from_plan(args.bundle, warm_up=False))
+            return on_a_passing_thread(lambda: Engine.from_plan(args.bundle, warm_up=False, ranks=ranks))
         except (PlanFormatError, PlanMismatchError, PlanViolationError, ModelLoadError, GraphFormatError,
                 InsufficientMemoryError) as err:
             raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
@@ -128,7 +132,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     # before the engine: a bad file fails in milliseconds, not after loading
     access = Access.from_files(args.auth_token_file, args.tls_cert, args.tls_key, args.open_health)
-    engine = _engine_from_args(args)
+    degree = _plan_degree(args)
+    ranks = None
+    if degree > 1 or rendezvous_env() is not None:
+        if rendezvous_env() is None:  # `slabserve serve DIR` of a tensor-parallel plan: start its ranks
+            return launch(degree, argv, args.collective_timeout)
+        ranks = _join(args, degree)
+    engine = _engine_from_args(args, ranks)
+    if ranks is not None:
+        try:
+            ranks.ready(STARTUP_TIMEOUT_S)
+        except GroupFailed as err:
+            raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
+        if not ranks.leads:
+            return _follow(engine, ranks)
     server = create_server(engine, args.host, args.port,
                            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                            limits=Limits(max_message_bytes=args.max_message_bytes), access=access,
@@ -138,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "http_port": server.http.port if server.http is not None else None}))
     try:
         server.warm_up()
-    except PlanViolationError as err:
+    except (PlanViolationError, GroupFailed) as err:
         server.stop()
         raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
     reuse = ({"prefix_reuse": True, "copy_min_tokens": engine.scheduler.copy_min_tokens,
@@ -149,17 +166,89 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "startup_s": round(_seconds_since_process_start(), 2)}))
     while not stop.wait(0.5):
         if server.loop.failure is not None:
+            if ranks is not None:
+                _report_group_failure(ranks, server.loop.failure)
             server.stop()
             return 1
     log.info(json.dumps({"event": "draining", "grace_s": args.grace_seconds}))
     clean = server.drain(args.grace_seconds)
+    if ranks is not None:
+        _stop_followers(server, ranks)
     log.info(json.dumps({"event": "stopped", "clean": clean}))
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+STARTUP_TIMEOUT_S = 600.0  # every rank builds its engine (reads its weights) before the first step
+LINGER_S = 2.0  # after a group failure, health stays NOT_SERVING this long before the process ends
+
+
+def _plan_degree(args: argparse.Namespace) -> int:
+    if args.bundle is None:
+        return 1
+    from slabserve.runtime.plan import PlanFormatError, read_plan
+
+    try:
+        return read_plan(args.bundle).parallel.tensor
+    except (PlanFormatError, OSError) as err:
+        raise SystemExit(f"slabserve serve: refusing to start: {err}") from None
+
+
+def _join(args: argparse.Namespace, degree: int) -> RankGroup:
+    from slabserve.runtime.plan import read_plan
+
+    env = rendezvous_env()
+    if int(env["WORLD_SIZE"]) != degree:
+        raise SystemExit(f"slabserve serve: refusing to start: plan {args.bundle} is tensor-parallel over {degree} "
+                         f"rank(s) and this group has WORLD_SIZE={env['WORLD_SIZE']}: launch {degree} processes "
+                         f"(torchrun --nproc-per-node {degree}), or `slabserve serve {args.bundle}` without torchrun")
+    ranks = RankGroup.join(args.collective_timeout, read_plan(args.bundle).engine.device)
+    log.info(json.dumps({"event": "rank_joined", "rank": ranks.rank, "world": ranks.world, "pid": os.getpid(),
+                         "collective_timeout_s": args.collective_timeout}))
+    return ranks
+
+
+def _follow(engine: Engine, ranks: RankGroup) -> int:
+    """A follower rank: run the steps rank 0 sends until it says stop (0) or the group breaks (1)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains, then stops this rank
+        signal.signal(sig, lambda *_: log.info(json.dumps({"event": "signal_ignored", "rank": ranks.rank,
+                                                           "why": "rank 0 drains and then stops every rank"})))
+    log.info(json.dumps({"event": "following", "rank": ranks.rank}))
+    try:
+        ranks.follow(engine)
+    except GroupFailed as err:
+        log.error(json.dumps({"event": "group_failed", "rank": ranks.rank, "error": str(err)}))
+        return 1
+    log.info(json.dumps({"event": "stopped", "rank": ranks.rank, "clean": True}))
+    ranks.close()
+    return 0
+
+
+def _report_group_failure(ranks: RankGroup, failure: BaseException) -> None:
+    """Name the ranks that stopped answering, hold health NOT_SERVING for LINGER_S, and let the process end (the
+    others end when the group breaks, or by the launcher)."""
+    suspects = ranks.diagnose() if isinstance(failure, GroupFailed) else []
+    for s in suspects:
+        log.error(json.dumps({"event": "rank_failed", **s}))
+    log.error(json.dumps({"event": "group_failed", "rank": ranks.rank, "error": repr(failure),
+                          "ranks_failed": [s["rank"] for s in suspects]}))
+    time.sleep(LINGER_S)
+
+
+def _stop_followers(server, ranks: RankGroup) -> None:
+    """After the drain: the engine thread has ended, so this thread may use the group: tell every rank to stop."""
+    if server.loop._thread.is_alive() or server.loop.failure is not None:
+        return
+    try:
+        ranks.stop()
+    except GroupFailed as err:
+        log.error(json.dumps({"event": "group_failed", "rank": 0, "error": str(err)}))
+    ranks.close()
+
 
 
 def _us(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e6, 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -85,8 +85,8 @@ def _add_unknown(data: dict) -> None:
 
 
 CASES = [
-    ("unknown version", _set("version", 5), "schema version 5 is not supported"),
-    ("an older version", _set("version", 2), "schema version 2 is not supported; this runtime reads version 4"),
+    ("unknown version", _set("version", 6), "schema version 6 is not supported"),
+    ("an older version", _set("version", 2), "schema version 2 is not supported; this runtime reads version 5"),
     ("another schema", _set("schema", "other.plan"), "not a slabserve plan"),
     ("missing field", _delete("kv.rows"), "kv.rows: missing"),
     ("missing section", _delete("capacity"), "capacity: missing"),
