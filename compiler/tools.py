@@ -49,7 +49,38 @@ def summary(plan: P.Plan, plan_id: str) -> str:
                      f"({format_bytes(cap.internal_waste_bytes or 0)})")
     for b in cap.baselines:
         lines.append(f"  baseline {b.name:<18} concurrency {b.concurrency:>5}, utilization {b.utilization:.1%}")
+    if plan.parallel.tensor > 1:
+        lines += ["", *ranks_table(plan)]
     return "\n".join(lines)
+
+
+def ranks_table(plan: P.Plan) -> list[str]:
+    """A tensor-parallel plan rank by rank: the slice each holds and its bytes on its own device, and how many
+    slabs of the longest context one device's KV budget holds."""
+    p, kv, cap = plan.parallel, plan.kv, plan.capacity
+    device = plan.fingerprints.device
+    lines = [f"  tensor parallel: {p.tensor} ranks, each one {device} device (the memory table above is one rank's); "
+             f"embedding, norms and lm_head replicated",
+             f"  {'rank':>6}{'query heads':>14}{'KV heads':>11}{'MLP columns':>16}{'weights':>12}{'KV arena':>12}"
+             f"{'activations':>13}{'staging':>12}{'headroom':>12}  fits"]
+    for r in p.ranks:
+        lines.append(f"  {r.rank:>6}{_span(r.heads):>14}{_span(r.kv_heads):>11}{_span(r.intermediate):>16}"
+                     f"{format_bytes(r.weights_bytes):>12}{format_bytes(r.kv_bytes):>12}"
+                     f"{format_bytes(r.activations_bytes):>13}{format_bytes(r.staging_bytes):>12}"
+                     f"{format_bytes(r.headroom_bytes):>12}  {'yes' if r.fits else 'NO'}")
+    longest = plan.spec.get("max_context", cap.max_request_tokens)
+    slabs = cap.kv_budget_bytes // (longest * kv.bytes_per_token)
+    lines.append(f"  each rank's KV budget ({format_bytes(cap.kv_budget_bytes)} on one {device}, "
+                 f"{format_bytes(kv.bytes_per_token)} per token: its {kv.num_kv_heads} KV head(s) of "
+                 f"{kv.num_layers} layers) holds {slabs} slabs of {longest} tokens")
+    if plan.staging.collective_bytes:
+        lines.append(f"  collective buffers: {format_bytes(plan.staging.collective_bytes)} per rank (the step "
+                     f"message rank 0 broadcasts); the all-reduces write into the activation arena")
+    return lines
+
+
+def _span(part) -> str:
+    return f"{part[0]}-{part[1]}"
 
 
 def weight_format_line(plan: P.Plan) -> str:
@@ -146,11 +177,32 @@ def diff_plans(a: P.Plan, b: P.Plan, id_a: str, id_b: str, max_regression_pct: f
                      f"{old_prefixes} -> {new_prefixes}")
     if a.fingerprints.model_config != b.fingerprints.model_config:
         lines.append("  model config changed")
+    if a.parallel.tensor > 1 or b.parallel.tensor > 1:
+        lines += per_rank_diff(a, b)
     if a.totals.fits and not b.totals.fits:
         regressed.append("fits")
         lines.append("  the new plan no longer fits its target  REGRESSION")
     lines.append(f"  {'REGRESSED: ' + ', '.join(regressed) if regressed else 'no regression over the threshold'}")
     return bool(regressed), "\n".join(lines)
+
+
+def per_rank_diff(a: P.Plan, b: P.Plan) -> list[str]:
+    """Rank by rank (ranks only one plan has shown against nothing): the slice and the bytes of each."""
+    lines = [f"  per rank (tensor parallel {a.parallel.tensor} -> {b.parallel.tensor}):"]
+    old, new = {r.rank: r for r in a.parallel.ranks}, {r.rank: r for r in b.parallel.ranks}
+    for rank in sorted(set(old) | set(new)):
+        x, y = old.get(rank), new.get(rank)
+
+        def side(r, field: str) -> str:
+            return "-" if r is None else (_span(getattr(r, field)) if field in ("heads", "kv_heads", "intermediate")
+                                          else format_bytes(getattr(r, field)))
+
+        parts = [f"{label} {side(x, f)} -> {side(y, f)}" for label, f in
+                 (("heads", "heads"), ("KV heads", "kv_heads"), ("MLP columns", "intermediate"),
+                  ("weights", "weights_bytes"), ("KV", "kv_bytes"), ("planned", "planned_bytes"),
+                  ("headroom", "headroom_bytes"))]
+        lines.append(f"    rank {rank}: " + "; ".join(parts))
+    return lines
 
 
 def _show(value: float, unit: str) -> str:
