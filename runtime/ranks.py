@@ -253,11 +253,13 @@ class RankGroup:
         host = socket.gethostname()
 
         def beat() -> None:
-            while not self._stop_watchdog.wait(WATCHDOG_S):
+            while True:  # at once, then every WATCHDOG_S
                 try:
                     self.store.set(key, json.dumps({"progress": self.progress, "time": time.time(),
                                                     "pid": os.getpid(), "host": host}))
                 except Exception:  # noqa: BLE001 - the store's host is gone: the group is going down anyway
+                    return
+                if self._stop_watchdog.wait(WATCHDOG_S):
                     return
 
         beat_thread = threading.Thread(target=beat, name=f"slabserve-rank{self.rank}-watchdog", daemon=True)
@@ -348,6 +350,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _terminate_with_parent() -> None:
+    """In a rank, before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG), so
+    no rank outlives it: rank 0 drains and stops the others (which ignore SIGTERM and follow rank 0's STOP)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own monitoring still takes the group down when a rank fails
+
+
 def launch(degree: int, argv: Sequence[str], timeout_s: float) -> int:
     """`slabserve serve DIR` for a plan of `degree` ranks: start one process per rank with the rendezvous
     environment (rank 0 serves; the others follow), forward SIGTERM/SIGINT to rank 0 (which drains, then stops the
@@ -361,7 +374,8 @@ def launch(degree: int, argv: Sequence[str], timeout_s: float) -> int:
                "LOCAL_WORLD_SIZE": str(degree), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": threads}
         procs.append(subprocess.Popen([sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
-                                       "slabserve.runtime.serve_cli", *argv], env=env))
+                                       "slabserve.runtime.serve_cli", *argv], env=env,
+                                      preexec_fn=_terminate_with_parent))
     log.info(json.dumps({"event": "ranks_started", "degree": degree, "pids": [p.pid for p in procs],
                          "master_port": port, "threads_per_rank": int(threads)}))
     stopping = threading.Event()

@@ -62,10 +62,11 @@ class ServerProcess:
     channels: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, root: Path, *args: str, log_name: str = "server.log", wait: bool = True) -> "ServerProcess":
+    def start(cls, root: Path, *args: str, log_name: str = "server.log", wait: bool = True,
+              bundle: str = "bundle") -> "ServerProcess":
         log = root / log_name
         with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "slabserve.runtime.server", "bundle", "--port", "0",
+            proc = subprocess.Popen([sys.executable, "-m", "slabserve.runtime.server", bundle, "--port", "0",
                                      "--metrics-port", "-1", *args], cwd=root, stdout=sink,
                                     stderr=subprocess.STDOUT, env=server_env(root / "scratch"))
         server = cls(proc, log)
