@@ -370,6 +370,14 @@ class Engine:
             return self._graphs.replay(bucket)
         return self.executor.run(bucket, self.inputs[bucket].tensors(), self.k_cache, self.v_cache)
 
+    def capture_graphs(self) -> None:
+        """CUDA: one graph per bucket (and its sampling), captured into one private pool (CudaGraphRunner). A
+        tensor-parallel follower calls it when rank 0 does (runtime.ranks: CAPTURE), so the eager runs before each
+        capture meet rank 0's collectives in the same order."""
+        self._graphs = CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
+                                       self.k_cache, self.v_cache, self.config.graph_budget_bytes,
+                                       self.sampler, self._picked)
+
     def keep_alive(self) -> None:
         """Called by the engine loop while idle: a tensor-parallel leader pings its group (runtime.ranks), so a rank
         that died or hangs is found with no traffic."""
@@ -436,9 +444,9 @@ class Engine:
         caching allocator's counter is checked too. On CUDA the graphs are captured first (CudaGraphRunner) and
         every run here is a replay."""
         if self.device.type == "cuda" and self._graphs is None:
-            self._graphs = CudaGraphRunner(self.executor, {b: i.tensors() for b, i in self.inputs.items()},
-                                           self.k_cache, self.v_cache, self.config.graph_budget_bytes,
-                                           self.sampler, self._picked)
+            if self.ranks is not None and self.ranks.leads:
+                self.ranks.send_capture()  # every rank captures too: their warm-up runs meet these collectives
+            self.capture_graphs()
         params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
         generators = [make_generator(0), make_generator(1)]
         seconds: dict[int, float] = {}

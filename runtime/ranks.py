@@ -11,7 +11,9 @@ How the ranks run (DESIGN.md, "Tensor-parallel plans"):
   step it sends the step's inputs to the others in one broadcast of a planned buffer (`RankGroup.message`: a header
   and the bucket's step inputs, the plan's staging.collective_bytes); each follower copies them into its own step
   inputs and runs the same bucketed step, whose two all-reduces per layer meet rank 0's. Copies of retained KV rows
-  between slabs go the same way, so every rank's KV heads hold the same rows.
+  between slabs go the same way, so every rank's KV heads hold the same rows. On CUDA every rank captures its graphs
+  when rank 0 does (CAPTURE): the eager runs before each capture meet in the same order, and afterwards each step's
+  collectives are NCCL calls inside every rank's graph replay.
 - Zero allocations on every rank: rank 0's warm-up brackets its checked steps with CHECK_BEGIN and CHECK_END; each
   follower watches its own steps between the two (runtime.executor.AllocationWatch) and reports its count in an
   all-reduce; a rank that allocated refuses the plan, named.
@@ -44,9 +46,9 @@ from slabserve.runtime.step import STEP_INPUT_DTYPES, step_input_shapes
 log = logging.getLogger("slabserve.ranks")
 
 HEADER = 8  # op, message number, then up to 6 operands
-OP_STEP, OP_COPY, OP_PING, OP_CHECK_BEGIN, OP_CHECK_END, OP_STOP = 1, 2, 3, 4, 5, 6
+OP_STEP, OP_COPY, OP_PING, OP_CHECK_BEGIN, OP_CHECK_END, OP_STOP, OP_CAPTURE = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {OP_STEP: "step", OP_COPY: "copy", OP_PING: "ping", OP_CHECK_BEGIN: "check_begin",
-            OP_CHECK_END: "check_end", OP_STOP: "stop"}
+            OP_CHECK_END: "check_end", OP_STOP: "stop", OP_CAPTURE: "capture"}
 PING_S = 1.0  # rank 0 pings an idle group this often
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 WATCHDOG_S = 1.0
@@ -202,6 +204,10 @@ class RankGroup:
         self._collective(self.dist.all_reduce, self.counts)
         return [int(c) for c in self.counts.tolist()]
 
+    def send_capture(self) -> None:
+        """CUDA: every rank captures its graphs now (Engine.capture_graphs), in step with rank 0."""
+        self._send(OP_CAPTURE)
+
     def stop(self) -> None:
         """Tell the followers to exit (rank 0, after draining)."""
         if not self._closed:
@@ -244,6 +250,8 @@ class RankGroup:
                 self._count_np[:] = 0
                 self._count_np[self.rank] = len(found)
                 self._sum_counts()
+            elif op == OP_CAPTURE:
+                engine.capture_graphs()
             elif op == OP_STOP:
                 return
             else:

@@ -133,9 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # before the engine: a bad file fails in milliseconds, not after loading
     access = Access.from_files(args.auth_token_file, args.tls_cert, args.tls_key, args.open_health)
     degree = _plan_degree(args)
+    env = rendezvous_env()
     ranks = None
-    if degree > 1 or rendezvous_env() is not None:
-        if rendezvous_env() is None:  # `slabserve serve DIR` of a tensor-parallel plan: start its ranks
+    if degree > 1 or (env is not None and int(env["WORLD_SIZE"]) > 1):  # a one-rank torchrun serves as plain serve
+        if env is None:  # `slabserve serve DIR` of a tensor-parallel plan: start its ranks
             return launch(degree, argv, args.collective_timeout)
         ranks = _join(args, degree)
     engine = _engine_from_args(args, ranks)
