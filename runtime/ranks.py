@@ -169,8 +169,8 @@ class RankGroup:
         h = self._header_np
         h[0], h[1] = op, self.progress
         h[2 : 2 + len(operands)] = operands
-        if self.device.type != "cpu":
-            self.message[:HEADER].copy_(self._header, non_blocking=True)
+        if self.device.type != "cpu":  # synchronous: the next message rewrites the pinned header
+            self.message[:HEADER].copy_(self._header)
         self._collective(self.dist.broadcast, self.message, 0)
         self.progress += 1
         self.last_sent = time.monotonic()
