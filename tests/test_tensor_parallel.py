@@ -167,6 +167,18 @@ def test_llama3_70b_on_8_h100s_plans_offline_with_exact_bytes_per_rank():
           f"8192 tokens")  # timed by people, not asserted
 
 
+def test_llama3_8b_on_2_h100s_plans_half_the_heads_per_rank():
+    two = build_plan(load_spec(ROOT / "plans" / "llama3-8b-2xh100.yaml", base_dir=ROOT), ROOT).plan
+    c = open_config(ROOT / "plans" / "models" / "llama3-8b" / "config.json").config
+    assert [(r.heads, r.kv_heads, r.intermediate) for r in two.parallel.ranks] == [
+        ((0, 16), (0, 4), (0, 7168)), ((16, 32), (4, 8), (7168, 14336))]
+    sharded = c.num_layers * (c.hidden_size * (16 + 2 * 4) * 128 + 16 * 128 * c.hidden_size
+                              + 3 * c.hidden_size * 7168)
+    replicated = c.num_layers * 2 * c.hidden_size + 2 * c.vocab_size * c.hidden_size + c.hidden_size
+    assert two.weights.parameter_bytes == 2 * (sharded + replicated)
+    assert two.kv.bytes_per_token == 2 * 32 * 4 * 128 * 2 and two.totals.fits
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The engine over real ranks: logits and allocations
 
