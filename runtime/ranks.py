@@ -370,6 +370,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _loopback_interface() -> str:
+    """The loopback interface's name ("lo" on Linux), from the kernel's list when it can be read."""
+    try:
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    except OSError:
+        pass
+    return "lo"
+
+
 def _terminate_with_parent() -> None:
     """In a rank, before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG), so
     no rank outlives it: rank 0 drains and stops the others (which ignore SIGTERM and follow rank 0's STOP)."""
@@ -392,7 +403,9 @@ def launch(degree: int, argv: Sequence[str], timeout_s: float) -> int:
     for rank in range(degree):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(degree), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(degree), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": threads}
+               "OMP_NUM_THREADS": threads,
+               # every rank is on this host: gloo talks over loopback, not whatever the host name resolves to
+               "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or _loopback_interface()}
         procs.append(subprocess.Popen([sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
                                        "slabserve.runtime.serve_cli", *argv], env=env,
                                       preexec_fn=_terminate_with_parent))

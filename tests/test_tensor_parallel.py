@@ -197,7 +197,8 @@ def _run_ranks(bundle: Path, out: Path, prompt: list[int], steps: int, degree: i
     else:
         procs = [subprocess.Popen(args, cwd=cwd, env={**env, "RANK": str(r), "WORLD_SIZE": str(degree),
                                                        "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                                                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+                                                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                                                       "GLOO_SOCKET_IFNAME": "lo"})
                  for r in range(degree)]
     try:
         codes = [p.wait(timeout=600) for p in procs]
