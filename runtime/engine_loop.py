@@ -78,6 +78,11 @@ class EngineLoop:
         self._commands.put((lambda: None, None))  # wake it
         self._thread.join(timeout)
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is still alive (after stop(): whether it ended within the timeout)."""
+        return self._thread.is_alive()
+
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run `fn` on the engine thread between steps; return its result or raise its exception."""
         if self.failure is not None:

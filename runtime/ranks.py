@@ -337,12 +337,10 @@ def _default_store():
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    from slabserve.runtime.client import _alive as signalable  # os.kill(pid, 0), as `slabserve health` uses it
+
+    if not signalable(pid):
         return False
-    except PermissionError:
-        return True
     try:  # a zombie (exited, not yet reaped by its parent) is gone too
         return _proc_state(pid) != "Z"
     except OSError:

@@ -237,7 +237,7 @@ def _report_group_failure(ranks: RankGroup, failure: BaseException) -> None:
 
 def _stop_followers(server, ranks: RankGroup) -> None:
     """After the drain: the engine thread has ended, so this thread may use the group: tell every rank to stop."""
-    if server.loop._thread.is_alive() or server.loop.failure is not None:
+    if server.loop.running or server.loop.failure is not None:
         return
     try:
         ranks.stop()

@@ -83,13 +83,12 @@ def rank_slice(config: ModelConfig, rank: int, degree: int) -> RankSlice:
                      part(config.intermediate_size))
 
 
-def shard_of(name: str, config: ModelConfig, rank: int, degree: int) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of the HF tensor `name` (HF layout: (out, in) for projections) that rank `rank` holds,
-    or None when every rank holds all of it (embedding, norms, lm_head)."""
-    if degree == 1 or ".layers." not in name:
+def shard_of(name: str, s: RankSlice, head_dim: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of the HF tensor `name` (HF layout: (out, in) for projections) that the rank of slice `s`
+    holds, or None when every rank holds all of it (embedding, norms, lm_head)."""
+    if s.degree == 1 or ".layers." not in name:
         return None
-    s = rank_slice(config, rank, degree)
-    d = config.head_dim
+    d = head_dim
     if ".self_attn.q_proj." in name:
         return 0, s.heads[0] * d, s.heads[1] * d
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
@@ -114,13 +113,14 @@ class ShardedSource:
         self.degree = degree
         self.whole_config = source.config
         self.config = rank_config(source.config, degree)
+        self.slice = rank_slice(source.config, rank, degree)  # once: every tensor is cut by it
 
     def __getattr__(self, name: str):
         return getattr(self.source, name)
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         tensor = self.source.get(name, dtype)
-        cut = shard_of(name, self.whole_config, self.rank, self.degree)
+        cut = shard_of(name, self.slice, self.whole_config.head_dim)
         if cut is None:
             return tensor
         dim, start, stop = cut
@@ -128,7 +128,7 @@ class ShardedSource:
 
     def get_blocks(self, name: str) -> tuple[str, torch.Tensor]:
         kind, rows = self.source.get_blocks(name)  # (N, row_bytes) uint8
-        cut = shard_of(name, self.whole_config, self.rank, self.degree)
+        cut = shard_of(name, self.slice, self.whole_config.head_dim)
         if cut is None:
             return kind, rows
         dim, start, stop = cut
