@@ -226,6 +226,76 @@ static inline float hsum256(__m256 v) {
 #else
 #define SCORE_HEADS 1
 #endif
+#ifdef __AVX512F__
+/* 16 KV elements from `index` as floats (exact), or with `half` the 8 there and zeros above (a head_dim's tail of
+ * 8: the zeros add exact zeros to lanes 8..15). */
+static inline __attribute__((always_inline)) __m512 load_kv16(const void *base, int64_t index, int kind, int half) {
+    if (half) return _mm512_insertf32x8(_mm512_setzero_ps(), load_kv8(base, index, kind), 0);
+    if (kind == KV_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (kind == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index)));
+    return _mm512_loadu_ps((const float *)base + index);
+}
+
+static inline __attribute__((always_inline)) __m512 load_q16(const float *p, int half) {
+    return half ? _mm512_maskz_loadu_ps(0x00FF, p) : _mm512_loadu_ps(p);
+}
+
+/* The AVX-512 build's scores: the same eight keys a pass and SCORE_HEADS heads, each dot product one 16-lane chain
+ * over d in order (a head_dim of 8 mod 16 ends in a half-filled step), folded to 8 lanes and summed by hsum8: half
+ * the FMAs of the 8-lane chains. Decode rows and prefill chunks run this same code, so a row's score never depends
+ * on its chunk; the bits differ from the AVX2 build's, as the block dot products of the two builds do. */
+/* The 16-lane chains of `keys` (1..8) keys for nq heads, folded and summed into out[h * KEY_BLOCK + j]. */
+static inline __attribute__((always_inline)) void scores_of_keys(int nq, int keys, int D, const float *q,
+                                                                 const void *k, int64_t ldkv, float scale,
+                                                                 float *out, int kind) {
+    __m512 acc[SCORE_HEADS][8];
+    for (int h = 0; h < nq; h++)
+        for (int j = 0; j < 8; j++) acc[h][j] = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m512 qd[SCORE_HEADS];
+        for (int h = 0; h < nq; h++) qd[h] = _mm512_loadu_ps(q + h * D + d);
+        for (int j = 0; j < keys; j++) {
+            __m512 kv = load_kv16(k, j * ldkv + d, kind, 0);
+            for (int h = 0; h < nq; h++) acc[h][j] = _mm512_fmadd_ps(qd[h], kv, acc[h][j]);
+        }
+    }
+    if (d < D) {  /* 8 left */
+        __m512 qd[SCORE_HEADS];
+        for (int h = 0; h < nq; h++) qd[h] = load_q16(q + h * D + d, 1);
+        for (int j = 0; j < keys; j++) {
+            __m512 kv = load_kv16(k, j * ldkv + d, kind, 1);
+            for (int h = 0; h < nq; h++) acc[h][j] = _mm512_fmadd_ps(qd[h], kv, acc[h][j]);
+        }
+    }
+    for (int h = 0; h < nq; h++) {
+        __m256 folded[8];
+        for (int j = 0; j < 8; j++)
+            folded[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[h][j]), _mm512_extractf32x8_ps(acc[h][j], 1));
+        __m256 sums = _mm256_mul_ps(hsum8(folded), _mm256_set1_ps(scale));
+        if (keys == 8) {
+            _mm256_storeu_ps(out + h * KEY_BLOCK, sums);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sums);
+            memcpy(out + h * KEY_BLOCK, tmp, keys * sizeof(float));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void block_scores_heads(int nq, int D, const float *q, const void *k,
+                                                                     int64_t ldkv, int len, float scale, float *sc,
+                                                                     int kind) {
+    int i = 0;
+    for (; i + 8 <= len; i += 8) scores_of_keys(nq, 8, D, q, (const char *)k + i * ldkv * (kind == KV_F32 ? 4 : 2),
+                                                 ldkv, scale, sc + i, kind);
+    if (i < len) scores_of_keys(nq, len - i, D, q, (const char *)k + i * ldkv * (kind == KV_F32 ? 4 : 2), ldkv,
+                                scale, sc + i, kind);
+}
+#else
 static inline __attribute__((always_inline)) void block_scores_heads(int nq, int D, const float *q, const void *k,
                                                                      int64_t ldkv, int len, float scale, float *sc,
                                                                      int kind) {
@@ -256,6 +326,7 @@ static inline __attribute__((always_inline)) void block_scores_heads(int nq, int
             }
         }
 }
+#endif
 
 /* The scores of all G heads of one query row over one block of keys: sc[h * KEY_BLOCK + i]. */
 static inline __attribute__((always_inline)) void group_scores(int G, int D, const float *q, const void *k,
@@ -316,7 +387,29 @@ static inline __attribute__((always_inline)) void block_values(int D, const floa
 static inline __attribute__((always_inline)) void group_values(int G, int D, const float *p, const void *v,
                                                                int64_t ldkv, int len, float *acc, int kind) {
     int h = 0;
-#if SCORE_HEADS >= 3
+#ifdef __AVX512F__
+    /* 16 lanes: each column the same chain over the keys in order as the 8-lane code below, so the same bits */
+    if (D % 64 == 0)
+        for (; h + 3 <= G; h += 3)
+            for (int d = 0; d < D; d += 64) {
+                __m512 a[3][4];
+                for (int t = 0; t < 3; t++)
+                    for (int j = 0; j < 4; j++) a[t][j] = _mm512_loadu_ps(acc + (h + t) * D + d + 16 * j);
+                for (int i = 0; i < len; i++) {
+                    int64_t row = i * ldkv + d;
+                    __m512 p0 = _mm512_set1_ps(p[h * KEY_BLOCK + i]), p1 = _mm512_set1_ps(p[(h + 1) * KEY_BLOCK + i]);
+                    __m512 p2 = _mm512_set1_ps(p[(h + 2) * KEY_BLOCK + i]);
+                    for (int j = 0; j < 4; j++) {
+                        __m512 vv = load_kv16(v, row + 16 * j, kind, 0);
+                        a[0][j] = _mm512_fmadd_ps(p0, vv, a[0][j]);
+                        a[1][j] = _mm512_fmadd_ps(p1, vv, a[1][j]);
+                        a[2][j] = _mm512_fmadd_ps(p2, vv, a[2][j]);
+                    }
+                }
+                for (int t = 0; t < 3; t++)
+                    for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + (h + t) * D + d + 16 * j, a[t][j]);
+            }
+#elif SCORE_HEADS >= 3
     if (D % 64 == 0)
         for (; h + 3 <= G; h += 3)
             for (int d = 0; d < D; d += 64) {
@@ -341,6 +434,57 @@ static inline __attribute__((always_inline)) void group_values(int G, int D, con
     for (; h < G; h++) block_values(D, p + h * KEY_BLOCK, v, ldkv, len, acc + h * D, kind);
 }
 
+#ifdef __AVX512F__
+/* exp256's arithmetic in 16 lanes (the same value in every lane as exp256 gives). */
+static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+    __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, y, _mm512_castsi512_ps(e));
+}
+
+/* block_softmax below in 16 lanes (the AVX-512 build): a block's max, its exps and their sum over 16 lanes, the
+ * tail masked; the running max, the rescaling and the sum's fold are the same steps. */
+static void block_softmax(int D, float *sc, int len, float *m, float *l, float *acc) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 16 <= len; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + i));
+    __mmask16 tail = (__mmask16)((1u << (len - i)) - 1);
+    if (i < len) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, sc + i));
+    float bm = _mm512_reduce_max_ps(mv);
+    if (bm > *m) {
+        float corr = *m == -INFINITY ? 0.0f : expf(*m - bm);
+        *l *= corr;
+        for (int d = 0; d < D; d++) acc[d] *= corr;
+        *m = bm;
+    }
+    __m512 mx = _mm512_set1_ps(*m), total = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= len; i += 16) {
+        __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + i), mx));
+        _mm512_storeu_ps(sc + i, p);
+        total = _mm512_add_ps(total, p);
+    }
+    if (i < len) {
+        __m512 p = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + i), mx)));
+        _mm512_mask_storeu_ps(sc + i, tail, p);
+        total = _mm512_add_ps(total, p);
+    }
+    __m256 folded = _mm256_add_ps(_mm512_castps512_ps256(total), _mm512_extractf32x8_ps(total, 1));
+    *l += hsum256(folded);
+}
+#else
 /* Softmax bookkeeping of one head for one block of scores: raise the running max *m (rescaling the running sum *l
  * and the accumulator when it grows), turn the scores into exp(score - max) in place, add them to *l. */
 static void block_softmax(int D, float *sc, int len, float *m, float *l, float *acc) {
@@ -376,6 +520,7 @@ static void block_softmax(int D, float *sc, int len, float *m, float *l, float *
     }
     *l += hsum256(total) + rest;
 }
+#endif
 
 /* `R` consecutive query rows of one sequence, each with its G heads (row r: G rows of D at q + r * ldq), over
  * the keys starting at element `first` of k/v (row stride ldkv elements, of `kind`): row r sees n0 + r keys. Each
