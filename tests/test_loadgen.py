@@ -582,9 +582,12 @@ def test_bench_served_times_the_engine_and_the_served_streams_of_one_bundle(tmp_
     out = tmp_path / "served.json"
     assert bench_served.main(["bundle", "--streams", "1", "3", "--tokens", "12", "--prompt", "8", "--repeats", "1",
                               "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert 0 < report["ready_s"] < 300  # the server's start to SERVING, measured on the way
     assert [r["streams"] for r in rows] == [1, 3]
     for r in rows:
         assert r["engine_step_ms"] > 0 and r["served_ms_per_token"] > 0 and r["served_tok_s"] > 0
         assert r["ratio"] == pytest.approx(r["served_ms_per_token"] / r["engine_step_ms"])
-    assert "served/engine" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "served/engine" in printed and "server SERVING" in printed
