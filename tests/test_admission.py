@@ -82,6 +82,16 @@ def test_refuses_a_short_request_that_would_make_an_admitted_one_late():
     _view([admitted]).admit(640, 0, now=0.0)      # a longer prompt goes after it: no harm done
 
 
+def test_an_admitted_request_already_late_does_not_refuse_newcomers():
+    # due in 1 s but 16 steps (2 s) of its own left: past its promise whatever comes, so a short request goes first
+    late = Pending(512, seq_no=1, deadline=1.0)
+    assert _view([late], oldest=1).admit(64, 0, now=0.0) == 1.0 + 0.25
+    # one still on time is protected, beside the late one
+    on_time = Pending(224, seq_no=2, deadline=1.0)
+    with pytest.raises(DelayBoundError, match="an admitted request's first token"):
+        _view([late, on_time], oldest=1, share=0.0).admit(64, 0, now=0.0)
+
+
 def test_admissions_against_one_view_see_each_other():
     v = _view()
     admitted = 0
