@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,17 +186,50 @@ def _gguf_metadata(reader) -> dict:
     return meta
 
 
+_READER_LOCK = threading.Lock()
+
+
+class _PlainMap:
+    """numpy as `gguf.gguf_reader` sees it while `read_gguf` opens a file: `memmap(path, mode)` gives a plain
+    read-only ndarray over an mmap of the file instead of an np.memmap. The reader takes hundreds of thousands of
+    small views of its map while it parses a tokenizer's metadata (SmolLM2: 49,152 tokens and 48,900 merges), and
+    each view of an np.memmap runs memmap's Python __array_finalize__: 2.2 s to open the bundled file, 0.9 s with
+    plain views of the same bytes. Everything else is numpy's own."""
+
+    @staticmethod
+    def memmap(path, mode: str = "r"):
+        if mode != "r":
+            raise ValueError(f"read_gguf maps files read-only, not mode {mode!r}")
+        with open(path, "rb") as f:
+            region = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return np.frombuffer(region, dtype=np.uint8)  # the array keeps the map alive
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+
+def read_gguf(path: str | Path):
+    """A `gguf.GGUFReader` of `path`, read-only, opened with plain views of its map (see _PlainMap): the same
+    fields, tensors and bytes as GGUFReader(path) gives, in less than half the time."""
+    from gguf import GGUFReader, gguf_reader
+
+    with _READER_LOCK:  # the swap is module-wide: one opening at a time, numpy restored whatever happens
+        saved, gguf_reader.np = gguf_reader.np, _PlainMap()
+        try:
+            return GGUFReader(str(path))
+        finally:
+            gguf_reader.np = saved
+
+
 class GGUFSource(WeightSource):
     """A GGUF file: config from its metadata, tensors dequantized to float with the `gguf` package."""
 
     format = "gguf"
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = path
         try:
-            self.reader = GGUFReader(str(path))
+            self.reader = read_gguf(path)
             meta = _gguf_metadata(self.reader)
         except Exception as exc:
             raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc

@@ -30,6 +30,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from slabserve.runtime.loader import read_gguf
+
 __all__ = [
     "ChatTemplateError",
     "IncrementalDetokenizer",
@@ -251,7 +253,7 @@ class Tokenizer:
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file not found: {path}")
             try:
-                reader = gguf.GGUFReader(path)
+                reader = read_gguf(path)
             except Exception as exc:  # the gguf package raises bare ValueError/struct errors on a bad file
                 raise TokenizerFileError(f"{path} is not a readable GGUF file: {exc}") from exc
         meta = _GGUFMeta(reader, path)
