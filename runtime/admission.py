@@ -26,7 +26,12 @@ first-token deadline (its gRPC deadline, or the request's own `first_token_deadl
   bounded only by the slabs and the per-class queues.
 
 Step times are measured (an exponential average per bucket, seeded by the engine's warm-up), so the bound holds
-on the machine the server runs on rather than the one the plan was built on. Everything here is pure Python: the
+on the machine the server runs on rather than the one the plan was built on. A step's time is modelled as its
+bucket's base time plus `pair_seconds` for every (query row, key) pair its prefill chunks attend over: attention
+grows with the context, so a 256-row chunk at position 6,000 costs about 3.5x the same chunk at position 0 on two
+cores, and a projection linear in prompt length promised a 6k-token analysis its first token in about half the time
+its prefill took. The warm-up measures the pair cost (a chunk deep in a slab against the same bucket at position
+0); steps whose attention dominates keep refining it, the others the bucket's base. Everything here is pure Python: the
 server runs `AdmissionView.admit` on a front door's thread against the view published after the last step, so a
 refusal comes back without waiting for the step in progress.
 """
@@ -38,6 +43,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 STEP_TIME_WEIGHT = 0.3  # weight of the newest step in the per-bucket average of step times
+
+
+def prefill_pairs(done: int, rows: int) -> int:
+    """(query row, key) pairs a prefill of `rows` tokens attends over after `done` tokens of its sequence: row j
+    (position done + j) sees done + j + 1 keys."""
+    return rows * done + rows * (rows + 1) // 2 if rows > 0 else 0
 
 
 class OverloadedError(RuntimeError):
@@ -68,22 +79,38 @@ class DelayBoundError(OverloadedError):
 
 
 class StepTimes:
-    """Seconds per step of each bucket: seeded by the warm-up, then an exponential average of real steps."""
+    """Seconds per step: each bucket's base time, plus `pair_seconds` per (query row, key) pair of its prefill
+    chunks. Seeded by the warm-up, then exponential averages of real steps: a step whose attention takes at least
+    as long as its base (by the current figures) refines the pair cost, any other step its bucket's base."""
 
     def __init__(self, buckets: Sequence[int]):
         self.buckets = tuple(buckets)
         self._seconds: dict[int, float] = {}
+        self.pair_seconds = 0.0
 
-    def seed(self, seconds: Mapping[int, float]) -> None:
+    def seed(self, seconds: Mapping[int, float], pairs: Mapping[int, int] | None = None,
+             pair_seconds: float = 0.0) -> None:
+        """`seconds`: measured step times per bucket, of steps that attended over `pairs[bucket]` pairs."""
+        self.pair_seconds = max(0.0, float(pair_seconds))
         for bucket, s in seconds.items():
-            if bucket in self.buckets and s > 0:
-                self._seconds[bucket] = float(s)
+            base = s - self.pair_seconds * (pairs or {}).get(bucket, 0)
+            if bucket in self.buckets and base > 0:
+                self._seconds[bucket] = float(base)
 
-    def observe(self, bucket: int, seconds: float) -> None:
+    def observe(self, bucket: int, seconds: float, pairs: int = 0) -> None:
         if seconds <= 0 or bucket not in self.buckets:
             return
         old = self._seconds.get(bucket)
-        self._seconds[bucket] = seconds if old is None else old + STEP_TIME_WEIGHT * (seconds - old)
+        attention = self.pair_seconds * pairs
+        if old is not None and pairs > 0 and self.pair_seconds > 0 and attention >= old:
+            if seconds > old:  # attention-bound: what the pairs cost beyond the bucket's base
+                observed = (seconds - old) / pairs
+                self.pair_seconds += STEP_TIME_WEIGHT * (observed - self.pair_seconds)
+            return
+        base = seconds - attention
+        if base <= 0:
+            return
+        self._seconds[bucket] = base if old is None else old + STEP_TIME_WEIGHT * (base - old)
 
     def snapshot(self) -> dict[int, float]:
         return dict(self._seconds)
@@ -96,6 +123,11 @@ class Pending:
     remaining: int       # prompt tokens not yet prefilled
     seq_no: int          # submit order: ties in the prefill order go to the older one
     deadline: float      # clock() by which its first token is due
+    done: int = 0        # prompt tokens already in its slab (prefilled, or reused): the remaining ones attend to them
+
+    @property
+    def pairs(self) -> int:
+        return prefill_pairs(self.done, self.remaining)
 
 
 class AdmissionView:
@@ -106,7 +138,7 @@ class AdmissionView:
 
     def __init__(self, bound_s: float | None, pending: Iterable[Pending], oldest_seq_no: int | None, decoding: int,
                  step_tokens: int, buckets: Sequence[int], step_seconds: Mapping[int, float],
-                 oldest_share: float, slab_wait_s: Sequence[float], next_seq_no: int):
+                 oldest_share: float, slab_wait_s: Sequence[float], next_seq_no: int, pair_seconds: float = 0.0):
         self.bound_s = bound_s
         self._pending = sorted(pending, key=_order)
         self._oldest = oldest_seq_no
@@ -117,14 +149,16 @@ class AdmissionView:
         self._share = oldest_share
         self._slab_wait = tuple(slab_wait_s)
         self._next_seq_no = next_seq_no
+        self._pair_s = pair_seconds
 
     @property
     def measured(self) -> bool:
         """False until a step time is known (the bound is not applied before)."""
         return bool(self._seconds)
 
-    def seconds_for(self, tokens: int) -> float:
-        """Time to prefill `tokens` prompt tokens beside the decoding sequences: full steps, then one partial."""
+    def seconds_for(self, tokens: int, pairs: int = 0) -> float:
+        """Time to prefill `tokens` prompt tokens beside the decoding sequences (full steps, then one partial),
+        their chunks attending over `pairs` (query row, key) pairs."""
         if tokens <= 0 or not self._seconds:
             return 0.0
         full, rest = divmod(tokens, self._budget)
@@ -132,35 +166,35 @@ class AdmissionView:
         if rest:
             rows = min(self._decoding + rest, self._buckets[-1])
             seconds += self._bucket_seconds(self._buckets[bisect_left(self._buckets, rows)])
-        return seconds
+        return seconds + self._pair_s * pairs
 
-    def deadline_for(self, prompt_tokens: int, now: float) -> float:
-        """The server's promise to a request arriving `now`: the cap's first-token deadline (math.inf: no cap)."""
+    def deadline_for(self, prompt_tokens: int, now: float, done: int = 0) -> float:
+        """The server's promise to a request arriving `now` with `done` tokens of its prompt already in a slab
+        (reused): the cap's first-token deadline (math.inf: no cap)."""
         if self.bound_s is None:
             return math.inf
-        own = self.seconds_for(prompt_tokens)
+        own = self.seconds_for(prompt_tokens, prefill_pairs(done, prompt_tokens))
         return now + max(self.bound_s, own) + own
 
-    def admit(self, prompt_tokens: int, home: int, now: float, caller_deadline: float | None = None) -> float:
-        """The server's promised deadline for a new request of `prompt_tokens` in slab class `home` (math.inf:
-        none), recorded in the view; or DelayBoundError if it cannot be admitted without a first token missing
-        its deadline. `caller_deadline`: the clock() time by which the caller wants its first token (None: it
-        set none), checked for this request only."""
+    def admit(self, prompt_tokens: int, home: int, now: float, caller_deadline: float | None = None,
+              done: int = 0) -> float:
+        """The server's promised deadline for a new request of `prompt_tokens` to prefill (after `done` reused
+        ones) in slab class `home` (math.inf: none), recorded in the view; or DelayBoundError if it cannot be
+        admitted without a first token missing its deadline. `caller_deadline`: the clock() time by which the
+        caller wants its first token (None: it set none), checked for this request only."""
         if not self.measured:  # no step has been timed: no promise can be made, and none is recorded
-            self._record(prompt_tokens, math.inf)
+            self._record(prompt_tokens, math.inf, done)
             return math.inf
-        promise = self.deadline_for(prompt_tokens, now)
+        promise = self.deadline_for(prompt_tokens, now, done)
         deadline = min(promise, math.inf if caller_deadline is None else caller_deadline)
-        new = Pending(prompt_tokens, self._next_seq_no, promise)
+        new = Pending(prompt_tokens, self._next_seq_no, promise, done)
         entries = list(self._pending)
         insort(entries, new, key=_order)
-        prefix = [0]
-        for e in entries:
-            prefix.append(prefix[-1] + e.remaining)
+        prefix = _prefix_sums(entries)
         oldest = next((e for e in entries if e.seq_no == self._oldest), None)
         # the new request itself: the slab wait, then everything before it in the prefill order
         i = entries.index(new)
-        late = now + self._slab_wait[home] + self.seconds_for(self._ahead(i, prefix, entries, oldest)) - deadline
+        late = now + self._slab_wait[home] + self.seconds_for(*self._ahead(i, prefix, entries, oldest)) - deadline
         whose = "its own" if deadline == promise else "its own (the caller's deadline)"
         # the admitted prompts it overtakes, each of which it may not make late; one already projected late without
         # it (its prefill ran slower than projected) is not protected by refusing newcomers, which would then be
@@ -168,7 +202,7 @@ class AdmissionView:
         # keeps it moving whatever arrives
         for j in range(i + 1, len(entries)):
             e = entries[j]
-            miss = now + self.seconds_for(self._ahead(j, prefix, entries, oldest)) - e.deadline
+            miss = now + self.seconds_for(*self._ahead(j, prefix, entries, oldest)) - e.deadline
             if miss > late and miss > 0 and self._on_time(e, now, oldest):
                 late, whose = miss, "an admitted request's"
         if late > 0:
@@ -177,29 +211,30 @@ class AdmissionView:
             step = self._bucket_seconds(self._buckets[-1])
             raise DelayBoundError(home, max(1, math.ceil(late * 1000)), round((self.bound_s or 0) * 1000), whose,
                                   max(1, math.ceil((late + step) * 1000)))
-        self._record(prompt_tokens, promise)
+        self._record(prompt_tokens, promise, done)
         return promise
 
-    def _record(self, prompt_tokens: int, deadline: float) -> None:
-        insort(self._pending, Pending(prompt_tokens, self._next_seq_no, deadline), key=_order)
+    def _record(self, prompt_tokens: int, deadline: float, done: int) -> None:
+        insort(self._pending, Pending(prompt_tokens, self._next_seq_no, deadline, done), key=_order)
         self._next_seq_no += 1
 
     def _on_time(self, e: Pending, now: float, oldest: Pending | None) -> bool:
         """Whether admitted `e` is projected to get its first token by its deadline with the work admitted so far."""
         j = self._pending.index(e)
-        prefix = [0]
-        for p in self._pending[: j + 1]:
-            prefix.append(prefix[-1] + p.remaining)
-        return now + self.seconds_for(self._ahead(j, prefix, self._pending, oldest)) <= e.deadline
+        prefix = _prefix_sums(self._pending[: j + 1])
+        return now + self.seconds_for(*self._ahead(j, prefix, self._pending, oldest)) <= e.deadline
 
-    def _ahead(self, j: int, prefix: list[int], entries: list[Pending], oldest: Pending | None) -> int:
-        """Prompt tokens prefilled before entries[j]'s first token: those before it in the order, its own, and
-        the oldest sequence's guaranteed share while it is still behind."""
-        work = prefix[j + 1]
+    def _ahead(self, j: int, prefix: list[tuple[int, int]], entries: list[Pending],
+               oldest: Pending | None) -> tuple[int, int]:
+        """Prompt tokens prefilled before entries[j]'s first token, and the pairs they attend over: those before
+        it in the order, its own, and the oldest sequence's guaranteed share while it is still behind."""
+        work, pairs = prefix[j + 1]
         if oldest is not None and _order(oldest) > _order(entries[j]):
             extra = oldest.remaining if self._share >= 1.0 else math.ceil(work * self._share / (1.0 - self._share))
-            work += min(oldest.remaining, extra)
-        return work
+            extra = min(oldest.remaining, extra)
+            work += extra
+            pairs += prefill_pairs(oldest.done, extra)
+        return work, pairs
 
     def _bucket_seconds(self, bucket: int) -> float:
         """The bucket's measured time, or else the nearest larger (then smaller) measured bucket's."""
@@ -211,3 +246,12 @@ class AdmissionView:
 
 def _order(p: Pending) -> tuple[int, int]:
     return p.remaining, p.seq_no
+
+
+def _prefix_sums(entries: Sequence[Pending]) -> list[tuple[int, int]]:
+    """(tokens, pairs) of entries[:j] for every j."""
+    sums = [(0, 0)]
+    for e in entries:
+        tokens, pairs = sums[-1]
+        sums.append((tokens + e.remaining, pairs + e.pairs))
+    return sums

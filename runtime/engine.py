@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from slabserve.kernels import cpu_native
+from slabserve.runtime.admission import prefill_pairs
 from slabserve.runtime.arena import committed_zeros
 from slabserve.runtime.bundle_checks import (DTYPES, PlanMismatchError, check_fingerprints, check_gemm_runs_here,
                                              check_graph_fingerprints, check_weight_layout, plan_model_path)
@@ -119,6 +120,11 @@ class _Live:
 
 
 WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (each run is a whole step)
+# The warm-up's probe of attention's cost per (query row, key) pair: a chunk of the smallest bucket of at least
+# PAIR_PROBE_ROWS rows ending at row PAIR_PROBE_DEPTH of the longest slab. On two cores a SmolLM2 row attending over
+# about 2,000 keys costs as much again as the rest of its step, so the difference is well above the timing noise.
+PAIR_PROBE_ROWS = 64
+PAIR_PROBE_DEPTH = 2048
 
 
 class KVCommit:
@@ -223,6 +229,7 @@ class Engine:
         self.plan_id = ""  # sha256 of the bundle's plan.msgpack when built by from_plan
         self.plan_name = ""  # the spec's `name` when built by from_plan
         self.warmed_on: int | None = None  # thread ident of the last warm-up; step() refuses to run before one
+        self.pair_seconds = 0.0  # attention's seconds per (query row, key) pair of a prefill chunk, from warm_up
         if warm_up:
             self.warm_up()
 
@@ -452,11 +459,14 @@ class Engine:
         seconds: dict[int, float] = {}
         sequences: dict[int, int] = {}  # bucket -> sequences of its warm-up chunks (only their logits are computed)
 
-        def fill(kind: str, max_chunk: int | None = None) -> None:
-            for bucket, inputs in self.inputs.items():
+        pairs: dict[int, int] = {}  # bucket -> (query row, key) pairs its warm-up chunks attend over
+
+        def fill(kind: str, max_chunk: int | None = None, buckets=self.inputs) -> None:
+            for bucket in buckets:
                 chunks = self._warm_up_chunks(bucket, kind, max_chunk)
-                inputs.fill(chunks)
+                self.inputs[bucket].fill(chunks)
                 sequences[bucket] = len(chunks)
+                pairs[bucket] = sum(prefill_pairs(c.start_pos, len(c.token_ids)) for c in chunks)
 
         def every_bucket(buckets=self.inputs) -> None:
             for bucket in buckets:
@@ -482,7 +492,15 @@ class Engine:
         seconds.clear()  # a step over the longest context is not what a typical step costs
         fill("start")
         every_bucket()
-        typical = dict(seconds)  # chunks from position 0: admission by latency starts from these
+        typical, typical_pairs = dict(seconds), dict(pairs)  # chunks from position 0: admission starts from these
+        # what attention over a long context adds: one chunk ending deep in the longest slab against the same bucket
+        # from position 0 (its attention then costs about as much as the rest of the step; a few tenths of a second)
+        deep = min((b for b in self.inputs if b >= PAIR_PROBE_ROWS), default=max(self.inputs))
+        fill("deep", buckets=[deep])
+        seconds.pop(deep)
+        every_bucket([deep])
+        extra = pairs[deep] - typical_pairs[deep]
+        self.pair_seconds = max(0.0, (seconds[deep] - typical[deep]) / extra) if extra > 0 else 0.0
         copy = self._measure_copies(typical)
 
         def busy_steps() -> None:
@@ -502,7 +520,7 @@ class Engine:
         fill("mixed", max_chunk=8)
         self._check_no_allocations(busy_steps, WARM_UP_CHECKED_STEPS, "the engine's warm-up (mixed steps)",
                                    single_thread=True)
-        self.scheduler.step_times.seed(typical)  # admission by latency starts from these, then measures
+        self.scheduler.step_times.seed(typical, typical_pairs, self.pair_seconds)  # then it measures
         self.scheduler.forget_free_prefixes()  # the warm-up wrote into free slabs
         self._prefill_declared()
         if self.device.type == "cuda":  # what start-up freed (tracing's temporaries) goes back: reserved = planned
@@ -578,9 +596,15 @@ class Engine:
                      longest context: what libraries size by the largest call reaches its high-water mark);
           "mixed"    a decode row at the last position of the longest slab, then prefill chunks that start in the
                      middle of their slabs, then decode rows mid-slab: the shapes of a busy step. With `max_chunk`:
-                     the first three of them, the prefill chunk at most max_chunk tokens."""
+                     the first three of them, the prefill chunk at most max_chunk tokens;
+          "deep"     one chunk of the whole bucket in the longest slab, ending at row PAIR_PROBE_DEPTH (or the slab's
+                     last): the step whose extra time over "start" is what attention over a long context costs."""
         slabs = self._slabs()
         longest = max(range(len(slabs)), key=lambda i: slabs[i][1])
+        if kind == "deep":
+            first_row, rows = slabs[longest]
+            n = min(bucket, rows)
+            return [SeqChunk(first_row, min(rows, max(n, PAIR_PROBE_DEPTH)) - n, [0] * n, rows)]
         if kind == "mixed":
             first_row, rows = slabs[longest]
             chunks, left = [SeqChunk(first_row, rows - 1, [0], rows)], bucket - 1

@@ -67,7 +67,7 @@ class EngineLoop:
         # admitted against it that the engine thread has not submitted yet (engine id -> (prompt tokens, deadline))
         self._admission_lock = threading.Lock()
         self._admission: AdmissionView | None = None
-        self._unsubmitted: dict[str, tuple[int, float]] = {}
+        self._unsubmitted: dict[str, tuple[int, float, int]] = {}
         self._thread = threading.Thread(target=self._run, name="slabserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -107,11 +107,12 @@ class EngineLoop:
             raise copy.copy(full)
         deadline = None
         if home is not None and prompt_ids:
-            prefill = len(prompt_ids) - self.engine.scheduler.expected_cached(prompt_ids)  # what reuse leaves
+            cached = self.engine.scheduler.expected_cached(prompt_ids)
+            prefill = len(prompt_ids) - cached  # what reuse leaves
             with self._admission_lock:
                 if self._admission is not None:  # or DelayBoundError
-                    deadline = self._admission.admit(prefill, home, time.monotonic(), first_token_by)
-                    self._unsubmitted[engine_id] = (prefill, deadline)
+                    deadline = self._admission.admit(prefill, home, time.monotonic(), first_token_by, done=cached)
+                    self._unsubmitted[engine_id] = (prefill, deadline, cached)
         sink = sink if sink is not None else queue.SimpleQueue()
 
         def submit() -> None:

@@ -50,7 +50,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from slabserve.runtime.admission import AdmissionView, OverloadedError, Pending, StepTimes
+from slabserve.runtime.admission import AdmissionView, OverloadedError, Pending, StepTimes, prefill_pairs
 from slabserve.runtime.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixIndex
 from slabserve.runtime.slab_allocator import DECLARED, Slab, SlabAllocator, SlabClass
 
@@ -224,6 +224,7 @@ class Scheduler:
         self.max_queue_delay_s = max_queue_delay_s
         self.step_times = StepTimes(self.buckets)  # measured by schedule() .. complete_step()
         self._step_started = 0.0
+        self._step_pairs = 0  # (query row, key) pairs the in-flight step's prefill chunks attend over
         self.prefix = PrefixIndex(self.allocator.slabs(), prefix_block) if prefix_reuse else None
         self.copy_min_tokens = copy_min_tokens
         self._copies: list[_Seq] = []     # placed with a copy that no scheduled step has run yet
@@ -262,8 +263,8 @@ class Scheduler:
         if request.deadline is not None:
             seq.deadline = request.deadline
         elif self.max_queue_delay_s is not None:
-            seq.deadline = self.admission_view().admit(seq.num_prompt - seq.cached, home,
-                                                       self._clock())  # or DelayBoundError
+            seq.deadline = self.admission_view().admit(seq.num_prompt - seq.cached, home, self._clock(),
+                                                       done=seq.cached)  # or DelayBoundError
         self._next_seq_no += 1
         self._live[request.request_id] = seq
         if target is None:
@@ -308,9 +309,12 @@ class Scheduler:
                                     (seq.last_token,), True))
             seqs.append(seq)
         # 3) prefill: chunks of prompts into what is left of the token budget
-        num_tokens = len(chunks) + self._pack_prefills(self.step_tokens - len(chunks), chunks, seqs)
+        decode_rows = len(chunks)
+        num_tokens = decode_rows + self._pack_prefills(self.step_tokens - decode_rows, chunks, seqs)
         if not chunks:
             return None
+        # what the prefill chunks attend over (admission's step-time model; decode rows are in the buckets' base)
+        self._step_pairs = sum(prefill_pairs(c.start_pos, len(c.token_ids)) for c in chunks[decode_rows:])
         copies = tuple(seq.copy for seq in self._copies)  # every pending copy, in admission order
         for seq in self._copies:
             seq.copy = None
@@ -328,7 +332,7 @@ class Scheduler:
         """
         seqs = self._check_inflight(step, sampled)
         self._inflight = None
-        self.step_times.observe(step.bucket, self._clock() - self._step_started)
+        self.step_times.observe(step.bucket, self._clock() - self._step_started, self._step_pairs)
         events: list[TokenEvent] = []
         for chunk, seq in zip(step.chunks, seqs):
             if seq.done:  # aborted or finished while the step ran: its token is dropped
@@ -368,18 +372,20 @@ class Scheduler:
                 full[home] = self._queue_full(home)
         return full
 
-    def admission_view(self, unsubmitted: Sequence[tuple[int, float]] = ()) -> AdmissionView:
+    def admission_view(self, unsubmitted: Sequence[tuple[int, float, int]] = ()) -> AdmissionView:
         """A copy of what admission by latency needs (its cap is `max_queue_delay_s`; callers' deadlines apply
-        without one). `unsubmitted`: (prompt tokens, deadline) of requests a caller has admitted against an
-        earlier view but not yet submitted."""
-        pending = [Pending(_remaining_prompt(s), s.seq_no, s.deadline) for s in self._prefilling.values()]
-        pending += [Pending(s.num_prompt - s.cached, s.seq_no, s.deadline) for q in self._queues for s in q.values()]
-        pending += [Pending(n, self._next_seq_no + i, d) for i, (n, d) in enumerate(unsubmitted)]
+        without one). `unsubmitted`: (prompt tokens to prefill, deadline, tokens reused before them) of requests a
+        caller has admitted against an earlier view but not yet submitted."""
+        pending = [Pending(_remaining_prompt(s), s.seq_no, s.deadline, s.num_computed)
+                   for s in self._prefilling.values()]
+        pending += [Pending(s.num_prompt - s.cached, s.seq_no, s.deadline, s.cached)
+                    for q in self._queues for s in q.values()]
+        pending += [Pending(n, self._next_seq_no + i, d, c) for i, (n, d, c) in enumerate(unsubmitted)]
         oldest = next(iter(self._prefilling.values())).seq_no if self._prefilling else None
         return AdmissionView(self.max_queue_delay_s, pending, oldest, len(self._decoding), self.step_tokens,
                              self.buckets, self.step_times.snapshot(), self.oldest_prefill_share,
                              [self._slab_wait_s(h) for h in range(len(self._queues))],
-                             self._next_seq_no + len(unsubmitted))
+                             self._next_seq_no + len(unsubmitted), self.step_times.pair_seconds)
 
     def expected_cached(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a placement will most likely find in a slab (0 with reuse off). Safe to call from other

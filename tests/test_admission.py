@@ -9,17 +9,19 @@ from pathlib import Path
 import grpc
 import pytest
 
-from slabserve.runtime.admission import AdmissionView, DelayBoundError, OverloadedError, Pending, StepTimes
+from slabserve.runtime.admission import (AdmissionView, DelayBoundError, OverloadedError, Pending, StepTimes,
+                                         prefill_pairs)
 from slabserve.runtime.scheduler import QueueFullError, Request, Scheduler
 from slabserve.runtime.slab_allocator import SlabClass
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
-def _view(pending=(), *, bound=1.0, seconds=None, decoding=0, oldest=None, slab_wait=(0.0, 0.0), share=0.25):
+def _view(pending=(), *, bound=1.0, seconds=None, decoding=0, oldest=None, slab_wait=(0.0, 0.0), share=0.25,
+          pair_seconds=0.0):
     seconds = {b: 0.125 for b in BUCKETS} if seconds is None else seconds  # 1/8 s a step, whatever its size
     return AdmissionView(bound, pending, oldest, decoding, 32, BUCKETS, seconds, share, slab_wait,
-                         next_seq_no=100)
+                         next_seq_no=100, pair_seconds=pair_seconds)
 
 
 def test_seconds_for_counts_full_steps_then_the_bucket_of_the_rest():
@@ -28,6 +30,40 @@ def test_seconds_for_counts_full_steps_then_the_bucket_of_the_rest():
     assert v.seconds_for(28) == 1.0                  # one full step
     assert v.seconds_for(56 + 3) == 2.0 + 0.25       # two full steps, then 4 + 3 rows: bucket 8
     assert v.seconds_for(29) == 1.0 + 0.25           # bucket 2 unmeasured: the next larger measured one (8)
+
+
+def test_prefill_pairs_count_every_row_against_the_keys_before_it():
+    assert prefill_pairs(0, 1) == 1 and prefill_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert prefill_pairs(10, 3) == 11 + 12 + 13
+    assert prefill_pairs(5, 0) == 0
+    assert Pending(3, seq_no=0, deadline=1.0, done=10).pairs == 36
+
+
+def test_seconds_for_adds_attention_over_the_pairs():
+    v = _view(seconds={32: 1.0, 8: 0.25}, decoding=4, pair_seconds=1e-4)
+    assert v.seconds_for(28, pairs=5000) == pytest.approx(1.0 + 0.5)
+    assert v.seconds_for(0, pairs=5000) == 0.0
+
+
+def test_a_long_prompt_is_promised_its_attention_too():
+    """A 3,200-token prompt: 100 steps of 1/8 s, plus 5,121,600 pairs at 2 us: 12.5 + 10.2 s of its own prefill,
+    and as long again to wait. Without the pairs it would be promised 25 s, about half of what it needs; a prompt
+    whose first 1,000 tokens are reused attends over more keys per row than the same count from position 0."""
+    ps = 2e-6
+    own = 100 * 0.125 + ps * prefill_pairs(0, 3200)
+    assert _view(pair_seconds=ps).admit(3200, 1, now=0.0) == pytest.approx(2 * own)
+    assert _view().admit(3200, 1, now=0.0) == pytest.approx(25.0)
+    own_after = 100 * 0.125 + ps * prefill_pairs(1000, 3200)
+    assert _view(pair_seconds=ps).admit(3200, 1, now=0.0, done=1000) == pytest.approx(2 * own_after)
+
+
+def test_the_work_ahead_counts_its_attention():
+    # a 256-token prompt (8 steps, due in 1 + 1 s) behind 7 steps of a shorter one: 1.875 s by steps alone, but
+    # those 224 rows sit deep in their slab and attend over 4,000 keys each (0.92 s more at 1 us a pair)
+    ahead = [Pending(224, seq_no=1, deadline=1e9, done=4000)]
+    _view(ahead).admit(256, 0, now=0.0)
+    with pytest.raises(DelayBoundError, match="its own first token"):
+        _view(ahead, pair_seconds=1e-6).admit(256, 0, now=0.0)
 
 
 def test_unmeasured_view_admits_and_records():
@@ -116,6 +152,23 @@ def test_step_times_average_real_steps():
     assert t.snapshot()[32] == pytest.approx(2.0 - 0.3)
 
 
+def test_step_times_split_a_step_into_its_base_and_its_attention():
+    t = StepTimes(BUCKETS)
+    # seeded from a step at position 0 that attended over 1,000 pairs, with the warm-up's pair cost
+    t.seed({32: 1.1}, {32: 1000}, pair_seconds=1e-4)
+    assert t.snapshot() == {32: pytest.approx(1.0)} and t.pair_seconds == 1e-4
+    t.observe(32, 1.0 + 0.05, pairs=500)       # attention short of the base: the base learns, the pair cost stays
+    assert t.snapshot()[32] == pytest.approx(1.0) and t.pair_seconds == 1e-4
+    t.observe(32, 1.3, pairs=1000)
+    assert t.snapshot()[32] == pytest.approx(1.0 + 0.3 * 0.2)
+    base = t.snapshot()[32]
+    t.observe(32, base + 3.0, pairs=20_000)    # attention-bound (2 s by the old cost): the pair cost learns
+    assert t.snapshot()[32] == base
+    assert t.pair_seconds == pytest.approx(1e-4 + 0.3 * (1.5e-4 - 1e-4))
+    t.observe(32, 0.5, pairs=20_000)           # faster than the base alone: nothing to learn about the pairs
+    assert t.pair_seconds == pytest.approx(1.15e-4) and t.snapshot()[32] == base
+
+
 # ---- in the scheduler -------------------------------------------------------------------------------------------
 
 class _Clock:
@@ -177,6 +230,25 @@ def test_admission_counts_only_the_prefill_that_retained_prefixes_leave():
     assert s.expected_cached(tuple(range(1, 301))) == 288
     s.submit(_req("again", 300))
     assert s._live["again"].cached >= 288
+
+
+def test_scheduler_observes_what_its_prefill_chunks_attend_over():
+    clock = _Clock()
+    s = _sched(clock)
+    s.step_times.seed({32: 0.25}, pair_seconds=1e-4)
+    s.submit(_req("a", 20))
+    s.submit(_req("b", 100))
+    step = s.schedule()  # a's 20 tokens and b's first 12: 210 + 78 pairs
+    assert [len(c.token_ids) for c in step.chunks] == [20, 12]
+    clock.now += 0.25 + 288e-4
+    s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
+    assert s.step_times.snapshot()[32] == pytest.approx(0.25)
+    step = s.schedule()  # a decodes (its row is in the base), b prefills 31 rows from position 12
+    assert [c.start_pos for c in step.chunks] == [20, 12]
+    clock.now += 0.25 + 1e-4 * prefill_pairs(12, 31)
+    s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
+    assert s.step_times.snapshot()[32] == pytest.approx(0.25)
+    assert s.admission_view().seconds_for(31, pairs=1000) == pytest.approx(0.25 + 0.1)  # one step beside a decode
 
 
 def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
