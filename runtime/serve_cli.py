@@ -164,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "declared_prefixes": engine.declared}
              if engine.prefix_reuse_off is None else {"prefix_reuse": False, "why": engine.prefix_reuse_off})
     log.info(json.dumps({"event": "serving", "address": server.address, "gemm": engine.gemm, **reuse,
+                         "attention_us_per_1k_pairs": _us(engine.pair_seconds * 1000),
                          "startup_s": round(_seconds_since_process_start(), 2)}))
     while not stop.wait(0.5):
         if server.loop.failure is not None:
