@@ -36,10 +36,6 @@ tokens of the step's prefill budget B (capped by `prefill_chunk`). Because B >= 
 tokens come from the other running sequences, and step_tokens >= max_seqs), a sequence admitted behind prefilling
 sequences of prompt lengths P_1..P_k gets its first token within sum(ceil(P_i / g_min)) + ceil(P / g_min) steps,
 g_min = min(prefill_chunk, max(1, floor(share * (step_tokens - max_seqs + 1)))), whatever arrives after it.
-While sequences decode, a step is also held to what a full step of chunks from position 0 costs (the measured step
-times of admission.StepTimes: a base per row plus attention's cost per query-key pair): chunks deep in long prompts
-are trimmed, deepest first, never below the oldest's g, so the decoding sequences' next token is not held behind a
-chunk whose attention over thousands of keys costs several such steps. With nothing decoding, chunks fill the step.
 
 Stop strings are not seen here (this module knows no text): the engine detokenizes the events and calls
 `finish(request_id, FinishReason.STOP)` when a stop string completes.
@@ -425,7 +421,7 @@ class Scheduler:
         # a) the oldest prefilling sequence's guaranteed share: the starvation bound in the module docstring
         oldest = next(iter(self._prefilling.values()))
         share = max(1, int(budget * self.oldest_prefill_share))
-        oldest.grant = guaranteed = min(oldest.num_prompt - oldest.num_computed, share, self.prefill_chunk)
+        oldest.grant = min(oldest.num_prompt - oldest.num_computed, share, self.prefill_chunk)
         left = budget - oldest.grant
         # b) shortest remaining prompt first (stable sort: ties stay in admission order)
         order = sorted(self._prefilling.values(), key=_remaining_prompt)
@@ -437,49 +433,11 @@ class Scheduler:
                 extra = min(extra, left)
                 seq.grant += extra
                 left -= extra
-        # c) while sequences decode, no deeper than a full step from position 0 costs
-        if self._decoding:
-            left += self._trim_to_time([seq for seq in order if seq.grant], oldest, guaranteed)
-        # d) emit in SRPT order, so the chunks of short prompts lead the batch
+        # c) emit in SRPT order, so the chunks of short prompts lead the batch
         for seq in order:
             if seq.grant:
                 self._emit_prefill(seq, chunks, seqs)
         return budget - left
-
-    def _trim_to_time(self, granted: list[_Seq], oldest: _Seq, guaranteed: int) -> int:
-        """Trim the grants of chunks deep in their prompts until the step's projected time (its rows at the
-        largest bucket's base time per row, plus attention's cost per pair: admission.StepTimes) is within what a
-        full step of chunks from position 0 costs, deepest first and never below the oldest sequence's `guaranteed`
-        share; returns the tokens trimmed. A 256-row chunk 5,000 rows deep costs about three such steps on two
-        cores, and every decoding sequence waited for all of it to get its next token."""
-        largest = self.buckets[-1]
-        base = self.step_times.snapshot().get(largest)
-        pair_s = self.step_times.pair_seconds
-        if base is None or pair_s <= 0:
-            return 0
-        per_row = base / largest
-        allowed = base + pair_s * prefill_pairs(0, largest)
-
-        def cost(seq: _Seq, n: int) -> float:
-            return per_row * n + pair_s * prefill_pairs(seq.num_computed, n)
-
-        spent = per_row * len(self._decoding) + sum(cost(seq, seq.grant) for seq in granted)
-        trimmed = 0
-        for seq in sorted(granted, key=lambda q: q.num_computed + q.grant, reverse=True):  # deepest row first
-            if spent <= allowed:
-                break
-            least = guaranteed if seq is oldest else 0
-            room = allowed - (spent - cost(seq, seq.grant))  # what this chunk may cost
-            # the largest n with cost(seq, n) <= room: pair_s/2 n^2 + (per_row + pair_s (done + 1/2)) n <= room
-            b = per_row + pair_s * (seq.num_computed + 0.5)
-            n = int((math.sqrt(b * b + 2 * pair_s * max(room, 0.0)) - b) / pair_s) if room > 0 else 0
-            n = max(least, min(seq.grant, n))
-            while n > least and cost(seq, n) > room:  # rounding
-                n -= 1
-            spent += cost(seq, n) - cost(seq, seq.grant)
-            trimmed += seq.grant - n
-            seq.grant = n
-        return trimmed
 
     def _emit_prefill(self, seq: _Seq, chunks: list[StepChunk], seqs: list[_Seq]) -> None:
         start, end = seq.num_computed, seq.num_computed + seq.grant

@@ -243,43 +243,12 @@ def test_scheduler_observes_what_its_prefill_chunks_attend_over():
     clock.now += 0.25 + 288e-4
     s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
     assert s.step_times.snapshot()[32] == pytest.approx(0.25)
-    step = s.schedule()  # a decodes (its row is in the base), b prefills from position 12
-    decode, chunk = step.chunks
-    assert decode.start_pos == 20 and chunk.start_pos == 12
-    clock.now += 0.25 + 1e-4 * prefill_pairs(12, len(chunk.token_ids))
+    step = s.schedule()  # a decodes (its row is in the base), b prefills 31 rows from position 12
+    assert [c.start_pos for c in step.chunks] == [20, 12]
+    clock.now += 0.25 + 1e-4 * prefill_pairs(12, 31)
     s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
     assert s.step_times.snapshot()[32] == pytest.approx(0.25)
     assert s.admission_view().seconds_for(31, pairs=1000) == pytest.approx(0.25 + 0.1)  # one step beside a decode
-
-
-def test_chunks_deep_in_a_prompt_are_trimmed_while_others_decode():
-    """A full step from position 0 costs 0.32 s + 528 pairs at 0.1 ms; 31 rows 280 deep would cost 1.23 s, holding
-    the decoding sequence's next token that long: trimmed to what fits (9 rows), never below the oldest's share,
-    and whole again once nothing decodes."""
-    clock = _Clock()
-    s = _sched(clock)
-    s.step_times.seed({32: 0.32}, pair_seconds=1e-4)
-    s.submit(Request("long", tuple(range(1, 401)), 8, deadline=1e9))
-    for _ in range(8):  # alone: full steps, however deep
-        step = s.schedule()
-        assert [len(c.token_ids) for c in step.chunks] == [32]
-        s.complete_step(step, {})
-    s.submit(Request("short", tuple(range(1, 9)), 4, deadline=1e9))
-    step = s.schedule()  # the short prompt whole, the long one the rest of the step (nothing decodes yet)
-    assert sorted(len(c.token_ids) for c in step.chunks) == [8, 24]
-    s.complete_step(step, {"short": 7})
-    for _ in range(3):  # "short" decodes 3 more tokens beside the long prompt's trimmed chunks
-        step = s.schedule()
-        decode, chunk = step.chunks
-        assert decode.request_id == "short" and chunk.request_id == "long" and len(chunk.token_ids) < 31
-        rows = len(chunk.token_ids)
-        assert rows >= 7  # the oldest's guaranteed quarter of the 31-token prefill budget
-        cost = 0.01 * (1 + rows) + 1e-4 * prefill_pairs(chunk.start_pos, rows)
-        assert cost <= 0.32 + 1e-4 * 528 < 0.01 * (2 + rows) + 1e-4 * prefill_pairs(chunk.start_pos, rows + 1)
-        s.complete_step(step, {"short": 7})
-    assert "short" not in s._live
-    step = s.schedule()
-    assert [len(c.token_ids) for c in step.chunks] == [32]
 
 
 def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
