@@ -200,11 +200,15 @@ class AdmissionView:
         # it (its prefill ran slower than projected) is not protected by refusing newcomers, which would then be
         # refused for as long as it prefills while saving it only their few steps: the oldest sequence's share
         # keeps it moving whatever arrives
+        admitted = None  # prefix sums of the admitted entries alone, made once if some entry needs them
         for j in range(i + 1, len(entries)):
             e = entries[j]
             miss = now + self.seconds_for(*self._ahead(j, prefix, entries, oldest)) - e.deadline
-            if miss > late and miss > 0 and self._on_time(e, now, oldest):
-                late, whose = miss, "an admitted request's"
+            if miss > late and miss > 0:
+                admitted = admitted or _prefix_sums(self._pending)
+                # entries[j] is self._pending[j - 1]: on time without the newcomer?
+                if now + self.seconds_for(*self._ahead(j - 1, admitted, self._pending, oldest)) <= e.deadline:
+                    late, whose = miss, "an admitted request's"
         if late > 0:
             # The work ahead shrinks as fast as the clock runs, so after `late` seconds the same request would just
             # make it; one full step more is the margin that makes a retry land on the right side of it.
@@ -217,12 +221,6 @@ class AdmissionView:
     def _record(self, prompt_tokens: int, deadline: float, done: int) -> None:
         insort(self._pending, Pending(prompt_tokens, self._next_seq_no, deadline, done), key=_order)
         self._next_seq_no += 1
-
-    def _on_time(self, e: Pending, now: float, oldest: Pending | None) -> bool:
-        """Whether admitted `e` is projected to get its first token by its deadline with the work admitted so far."""
-        j = self._pending.index(e)
-        prefix = _prefix_sums(self._pending[: j + 1])
-        return now + self.seconds_for(*self._ahead(j, prefix, self._pending, oldest)) <= e.deadline
 
     def _ahead(self, j: int, prefix: list[tuple[int, int]], entries: list[Pending],
                oldest: Pending | None) -> tuple[int, int]:

@@ -8,6 +8,7 @@ with the `gguf` package when asked for). llama.cpp's reordering of q/k rows for 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -208,9 +209,7 @@ class _PlainMap:
         return getattr(np, name)
 
 
-_FAST_READER = None
-
-
+@functools.cache
 def _fast_reader_class():
     """GGUFReader with its one primitive, `_get` (`count` items of `dtype` at `offset` of the map, in the file's
     byte order), made one numpy call: the reader calls it about 250,000 times for SmolLM2's tokenizer metadata, and
@@ -218,52 +217,49 @@ def _fast_reader_class():
     of opening the bundled file. The byte-order dtypes are made once. Arrays of strings and scalars are read in one
     loop instead of a recursive call per item. A read past the end of the map (a truncated file) goes to the
     reader's own code, so it fails as it always did."""
-    global _FAST_READER
-    if _FAST_READER is None:
-        from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFReader, GGUFValueType
 
-        class _Reader(GGUFReader):
-            _dtypes: dict = {}
+    class _Reader(GGUFReader):
+        _dtypes: dict = {}
 
-            def _get(self, offset, dtype, count=1, override_order=None):
-                count = int(count)
-                order = self.byte_order if override_order is None else override_order
-                final = self._dtypes.get((dtype, order))
-                if final is None:
-                    final = self._dtypes[(dtype, order)] = np.dtype(dtype).newbyteorder(order)
-                if offset < 0 or offset + final.itemsize * count > self.data.shape[0]:
-                    return super()._get(offset, dtype, count, override_order)
-                return np.ndarray((count,), dtype=final, buffer=self.data, offset=offset)
+        def _get(self, offset, dtype, count=1, override_order=None):
+            count = int(count)
+            order = self.byte_order if override_order is None else override_order
+            final = self._dtypes.get((dtype, order))
+            if final is None:
+                final = self._dtypes[(dtype, order)] = np.dtype(dtype).newbyteorder(order)
+            if offset < 0 or offset + final.itemsize * count > self.data.shape[0]:
+                return super()._get(offset, dtype, count, override_order)
+            return np.ndarray((count,), dtype=final, buffer=self.data, offset=offset)
 
-            def _get_field_parts(self, orig_offs, raw_type):
-                # an array of strings or scalars in one loop of _get calls, with the parts, data indices and types
-                # the reader's recursion (a call, an enum and four lists per item) gives; anything else is its own
-                if raw_type != GGUFValueType.ARRAY or orig_offs + 12 > self.data.shape[0]:
-                    return super()._get_field_parts(orig_offs, raw_type)
-                raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-                itype, n, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
-                nptype = None if itype == GGUFValueType.STRING else self.gguf_scalar_to_np.get(GGUFValueType(itype))
-                if itype != GGUFValueType.STRING and nptype is None:
-                    return super()._get_field_parts(orig_offs, raw_type)
-                parts: list = [raw_itype, alen]
-                if itype == GGUFValueType.STRING:
-                    idxs = []
-                    for _ in range(n):
-                        slen = self._get(offs, np.uint64)
-                        parts.append(slen)
-                        parts.append(self._get(offs + 8, np.uint8, slen[0]))
-                        idxs.append(len(parts) - 1)
-                        offs += 8 + int(slen[0])
-                else:
-                    size = np.dtype(nptype).itemsize
-                    parts += [self._get(offs + i * size, nptype) for i in range(n)]
-                    idxs = list(range(2, n + 2))
-                    offs += n * size
-                types = [GGUFValueType.ARRAY] + ([GGUFValueType(itype)] if n else [])
-                return offs - orig_offs, parts, idxs, types
+        def _get_field_parts(self, orig_offs, raw_type):
+            # an array of strings or scalars in one loop of _get calls, with the parts, data indices and types
+            # the reader's recursion (a call, an enum and four lists per item) gives; anything else is its own
+            if raw_type != GGUFValueType.ARRAY or orig_offs + 12 > self.data.shape[0]:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+            nptype = None if itype == GGUFValueType.STRING else self.gguf_scalar_to_np.get(GGUFValueType(itype))
+            if itype != GGUFValueType.STRING and nptype is None:
+                return super()._get_field_parts(orig_offs, raw_type)
+            parts: list = [raw_itype, alen]
+            if itype == GGUFValueType.STRING:
+                idxs = []
+                for _ in range(n):
+                    slen = self._get(offs, np.uint64)
+                    parts.append(slen)
+                    parts.append(self._get(offs + 8, np.uint8, slen[0]))
+                    idxs.append(len(parts) - 1)
+                    offs += 8 + int(slen[0])
+            else:
+                size = np.dtype(nptype).itemsize
+                parts += [self._get(offs + i * size, nptype) for i in range(n)]
+                idxs = list(range(2, n + 2))
+                offs += n * size
+            types = [GGUFValueType.ARRAY] + ([GGUFValueType(itype)] if n else [])
+            return offs - orig_offs, parts, idxs, types
 
-        _FAST_READER = _Reader
-    return _FAST_READER
+    return _Reader
 
 
 def read_gguf(path: str | Path):
