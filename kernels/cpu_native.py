@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -56,7 +57,14 @@ _SIGNATURES = {  # C function -> (return type, argument types), as declared in c
     "slabserve_quant_row_bytes": (_I, [_I, _I]),
     "slabserve_linear_q": (_RC, [_I, _I, _I, _P, _I, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I]),
     "slabserve_embed_q": (_RC, [_I, _P, _I, _I, _P, _I, _I, _P, _I]),
+    "slabserve_run_calls": (_I, [_P, _I]),
 }
+# The functions slabserve_run_calls dispatches to, by its op numbers (cpu_native.c: OP_LINEAR_F32 ...), and the
+# int64 slots one call takes there (CALL_SLOTS: the op, then each argument).
+_CALL_OPS = {"slabserve_linear_f32": 1, "slabserve_slab_attention_f32": 2, "slabserve_rms_norm_f32": 3,
+             "slabserve_silu_mul_f32": 4, "slabserve_rope_f32": 5, "slabserve_kv_write_f32": 6,
+             "slabserve_linear_q": 7, "slabserve_embed_q": 8}
+_CALL_SLOTS = 20
 
 
 def _cache_dir() -> Path:
@@ -149,10 +157,74 @@ def _load() -> ctypes.CDLL | None:
 
 def _bind(tensors: tuple, fn: Callable, *args) -> Callable:
     """fn(*args) as an argument-free call. `args` hold raw data pointers, so the call keeps `tensors` alive: a
-    prepared op never writes into memory that was freed and reused after its tensors went away."""
+    prepared op never writes into memory that was freed and reused after its tensors went away. The call also
+    carries its arguments as the int64 slots of slabserve_run_calls (`native`), for `fuse_calls`."""
     call = partial(fn, *args)
     call.tensors = tensors  # type: ignore[attr-defined]
+    call.native = _call_slots(fn.__name__, args)  # type: ignore[attr-defined]
     return call
+
+
+def _call_slots(name: str, args: tuple) -> list[int]:
+    """One call of C function `name` as slabserve_run_calls reads it: its op number, then each argument as an int64
+    (a pointer's address, 0 for NULL; a float's bits, rounded to float32 as ctypes would pass it)."""
+    slots = [_CALL_OPS[name]]
+    for value, kind in zip(args, _SIGNATURES[name][1], strict=True):
+        if kind is _F:
+            slots.append(struct.unpack("<I", struct.pack("<f", value))[0])
+        else:
+            slots.append(0 if value is None else int(value))
+    if len(slots) > _CALL_SLOTS:
+        raise ValueError(f"{name} takes {len(slots) - 1} arguments, more than slabserve_run_calls holds")
+    return slots + [0] * (_CALL_SLOTS - len(slots))
+
+
+def _checked(call: Callable, run: Callable[[], None]) -> Callable[[], None]:
+    """`run` (which calls `call` and raises on its refusal) carrying `call`'s tensors and native slots."""
+    run.tensors = call.tensors  # type: ignore[attr-defined]
+    run.native = call.native  # type: ignore[attr-defined]
+    return run
+
+
+def fuse_calls(calls: list[Callable[[], object]]) -> list[Callable[[], object]]:
+    """`calls` (argument-free callables, run in order) with each run of two or more prepared native calls replaced
+    by one call that runs them all in C (slabserve_run_calls): the same functions on the same arguments in the
+    same order, so the same bits, without one ctypes call each. Where a fused call refuses its arguments, its own
+    prepared call runs again to raise its error (a refused call has done nothing; the calls before it have run)."""
+    lib = _load()
+    out: list[Callable[[], object]] = []
+    run_: list[Callable[[], object]] = []
+
+    def flush() -> None:
+        if len(run_) >= 2 and lib is not None:
+            out.append(_fused(lib, list(run_)))
+        else:
+            out.extend(run_)
+        run_.clear()
+
+    for call in calls:
+        if getattr(call, "native", None) is not None:
+            run_.append(call)
+        else:
+            flush()
+            out.append(call)
+    flush()
+    return out
+
+
+def _fused(lib: ctypes.CDLL, calls: list[Callable[[], object]]) -> Callable[[], None]:
+    table = (ctypes.c_int64 * (_CALL_SLOTS * len(calls)))(*(s for c in calls for s in c.native))
+    go = partial(lib.slabserve_run_calls, ctypes.addressof(table), len(calls))
+
+    def run() -> None:
+        failed = go()
+        if failed >= 0:
+            calls[failed]()  # raises the refusing op's own error
+            raise RuntimeError(f"slabserve_run_calls: call {failed} was refused, but not when run alone")
+
+    run.table = table  # type: ignore[attr-defined]
+    run.calls = calls  # type: ignore[attr-defined]
+    return run
 
 
 def available() -> bool:
@@ -250,8 +322,7 @@ def prepare_linear_q(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residu
         if call():
             raise ValueError(f"linear_q: GGML type {qtype} with rows of {k} weights is not {w.shape[1]} bytes a row")
 
-    run.tensors = call.tensors  # type: ignore[attr-defined]
-    return run
+    return _checked(call, run)
 
 
 def prepare_embed_q(ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype: int) -> Callable[[], None]:
@@ -267,8 +338,7 @@ def prepare_embed_q(ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype
         if call():
             raise ValueError(f"embed_q: a token id lies outside the embedding's {w.shape[0]} rows")
 
-    run.tensors = call.tensors  # type: ignore[attr-defined]
-    return run
+    return _checked(call, run)
 
 
 # ---------------------------------------------------------------------------------------------------- attention
@@ -298,7 +368,7 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"slab_attention: query_start, slab_offset or context_len point outside the "
                              f"{q.shape[0]} rows of q or past the caches' {k_cache.shape[0]} rows")
 
-    return run
+    return _checked(call, run)
 
 
 def _attention_layout_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -377,7 +447,7 @@ def prepare_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         if call():
             raise ValueError(f"rope: a position lies outside the rope table's {cos_sin.shape[0]} rows")
 
-    return run
+    return _checked(call, run)
 
 
 def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -395,7 +465,7 @@ def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
         if call():
             raise ValueError(f"kv_write: a slot lies past the caches' {k_cache.shape[0]} rows")
 
-    return run
+    return _checked(call, run)
 
 
 def status() -> str:

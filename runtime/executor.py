@@ -13,7 +13,8 @@ Per node kind (runtime.trace.NodeKind): placeholders bind to the program's weigh
 and in-place ops alias their base; `empty`-like allocations are their arena view; `zeros`-like ones are zeroed
 each run; aten compute ops run through their `.out` overload into their arena view; `slabserve::` ops run as they
 are (they write into their arguments). Views depend only on metadata, so all of them are computed once when a
-bucket is first bound to a set of input tensors; a run with the same tensors only dispatches the write ops.
+bucket is first bound to a set of input tensors; a run with the same tensors only dispatches the write ops, and
+each run of consecutive native CPU kernels among them as one foreign call (kernels.cpu_native.fuse_calls).
 
 `allocations(fn, steps)` / `count_allocations` run a function under the profiler's memory events and report every
 tensor storage created: the engine runs its warm-up under it and refuses to serve on any.
@@ -35,6 +36,7 @@ from torch._C._profiler import _EventType
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from slabserve.kernels.cpu_native import fuse_calls
 from slabserve.kernels.ops import CPU_PREPARE
 from slabserve.runtime.trace import ActivationTensor, NodeKind, activation_tensors, node_kind
 
@@ -133,6 +135,7 @@ class _BucketProgram:
         self.calls: list[_Call] = []
         self.call_nodes: list[fx.Node] = []
         self._run_calls: list[Callable[[], object]] = []  # self.calls as argument-free callables
+        self._fused_calls: list[Callable[[], object]] = []  # the same, each run of native kernels as one call
         self.result: torch.Tensor | None = None
 
     def _node(self, name: str) -> fx.Node:
@@ -213,6 +216,8 @@ class _BucketProgram:
                 env[node] = None
         self.calls, self.result, self.call_nodes = calls, result, call_nodes
         self._run_calls = [partial(c.fn, *c.args, **c.kwargs) for c in calls]
+        self._fused_calls = fuse_calls([c.fn if not (c.args or c.kwargs) else run
+                                        for c, run in zip(calls, self._run_calls)])
         self.bound_to = tuple(inputs[name] for name in STEP_INPUTS)
 
     def _user_input(self, node: fx.Node, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -226,7 +231,7 @@ class _BucketProgram:
         bound = self.bound_to
         if bound is None or any(a is not b for a, b in zip(bound, (inputs[name] for name in STEP_INPUTS))):
             self.bind(inputs)
-        for call in self._run_calls:
+        for call in self._fused_calls:
             call()
         return self.result
 

@@ -351,6 +351,70 @@ def test_native_kernels_allocate_nothing():
     assert allocations(lambda: [run() for run in runs], steps=5) == []
 
 
+def _every_op(seed: int) -> tuple[list, list[torch.Tensor]]:
+    """One prepared call of each native kernel (linear, attention, rms_norm, silu_mul, rope, kv_write, linear_q,
+    embed_q) on random inputs from `seed`, and every tensor they write."""
+    from test_quant_kernels import random_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    x, res = torch.randn(8, 64, generator=gen), torch.randn(8, 40, generator=gen)
+    panels = cpu_native.pack_panels(torch.randn(64, 40, generator=gen))
+    (q, k, v, qs, so, cl, scale), workspace = _attention_case(seed)
+    _, q2, k2, v2 = _qkv(8, 4, 2, 16, seed=seed)
+    blocks = random_rows("Q4_1", 24, 64, seed=seed)
+    outs = [torch.empty(8, 40), torch.empty_like(q), torch.empty(8, 64), torch.empty(8, 32), torch.zeros(9, 2, 16),
+            torch.zeros(9, 2, 16), torch.empty(8, 24), torch.empty(3, 64)]
+    runs = [cpu_native.prepare_linear(x, panels, outs[0], res),
+            cpu_native.prepare_slab_attention(q, k, v, qs, so, cl, scale, outs[1], workspace),
+            cpu_native.prepare_rms_norm(x, torch.rand(64, generator=gen), 1e-6, outs[2]),
+            cpu_native.prepare_silu_mul(x, outs[3]),
+            cpu_native.prepare_rope(q2, k2, torch.arange(8), torch.randn(8, 16, generator=gen)),
+            cpu_native.prepare_kv_write(k2, v2, outs[4], outs[5], torch.arange(8)),
+            cpu_native.prepare_linear_q(x, blocks, outs[6], None, 3),
+            cpu_native.prepare_embed_q(torch.tensor([3, 1, 23]), blocks, outs[7], 3)]
+    return runs, outs + [q2, k2]
+
+
+@needs_native
+def test_fused_calls_compute_each_calls_bits_in_one_foreign_call_and_allocate_nothing():
+    runs, alone = _every_op(seed=4)
+    for run in runs:
+        run()
+    fused_runs, fused = _every_op(seed=4)
+    calls = cpu_native.fuse_calls(fused_runs)
+    assert len(calls) == 1 and calls[0].calls == fused_runs
+    calls[0]()
+    for got, want in zip(fused, alone, strict=True):
+        assert torch.equal(got, want)
+    assert allocations(calls[0], steps=3) == []
+
+
+@needs_native
+def test_a_call_refused_inside_a_fused_run_raises_its_own_error_after_the_calls_before_it():
+    _, q, k, v = _qkv(4, 4, 2, 8, seed=5)
+    x, norm = torch.randn(4, 8), torch.full((4, 8), 7.0)
+    caches = torch.zeros(6, 2, 8), torch.zeros(6, 2, 8)
+    before = k.clone()
+    calls = cpu_native.fuse_calls([cpu_native.prepare_rms_norm(x, torch.ones(8), 1e-6, norm),
+                                   cpu_native.prepare_rope(q, k, torch.tensor([0, 1, 10, 2]), torch.randn(10, 8)),
+                                   cpu_native.prepare_kv_write(k, v, *caches, torch.tensor([0, 1, 2, 3]))])
+    with pytest.raises(ValueError, match="rope: a position lies outside the rope table's 10 rows"):
+        calls[0]()
+    assert not (norm == 7.0).any(), "the call before the refused one ran"
+    assert torch.equal(k, before) and not caches[0].any(), "the refused call and those after it did not"
+
+
+@needs_native
+def test_python_calls_split_fused_runs_and_keep_their_order():
+    order: list[str] = []
+    runs, _ = _every_op(seed=2)
+    python_call = lambda: order.append("python")  # noqa: E731
+    calls = cpu_native.fuse_calls([runs[2], runs[3], python_call, runs[0], python_call, python_call, runs[6],
+                                   runs[7]])
+    assert [getattr(c, "calls", c) for c in calls] == [[runs[2], runs[3]], python_call, runs[0], python_call,
+                                                       python_call, [runs[6], runs[7]]]
+
+
 def test_without_the_library_linear_refuses_to_bind_and_attention_runs_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_native, "_state", {"error": "no C compiler found (test)"})
     assert not cpu_native.available() and "test" in cpu_native.unavailable_reason()
