@@ -1012,8 +1012,12 @@ static inline __attribute__((always_inline)) void block32v(int type, const uint8
  * n+16.., at the same block. A decode step streams ~100 MB of blocks that no cache holds between steps, and the
  * hardware prefetcher alone leaves the kernels waiting on memory at half the bandwidth (batch 1: 5.6 ms of SmolLM2's
  * projections and head at 17 GB/s; with this, 3.0 ms at 32 GB/s). A prefetch past the last row is a hint that
- * cannot fault. */
+ * cannot fault. One row of x (gemv_blocks32) prefetches into L2 only (PF_LONE): on an AMD EPYC (Zen 4) prefetches
+ * into L1 held its few fill buffers and SmolLM2's batch-1 projections and head streamed at 18-19 GB/s, against
+ * 22.5 (projections, then bound by the lookups) and 35 GB/s (the Q8_0 head) into L2. Where a block serves several
+ * rows of x the kernels are bound by arithmetic, and L1 was as good or better (2-5%). */
 #define PF_ROWS 16
+#define PF_LONE _MM_HINT_T1
 #define PF_MAX_M 16  /* rows of x up to which the scratch path prefetches (at 32 the step is compute-bound: 5% slower with) */
 
 /* `mr` rows of x (1..TILE_M) times `nr` dequantized rows of w (1..8 when mr is 1, else 1..4), each (i, j) one VL-lane
@@ -1063,7 +1067,7 @@ static inline __attribute__((always_inline)) void gemv_blocks32(int type, int nr
         for (int i = 0; i < 32 / VL; i++) xv[i] = vf_load(x + 32 * b + VL * i);
         for (int j = 0; j < nr; j++) {
             vf v[32 / VL];
-            _mm_prefetch((const char *)(w + (PF_ROWS + j) * row_bytes + b * bb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + (PF_ROWS + j) * row_bytes + b * bb), PF_LONE);
             block32v(type, w + j * row_bytes + b * bb, v);
             for (int i = 0; i < 32 / VL; i++) acc[j] = vf_fma(xv[i], v[i], acc[j]);
         }
