@@ -8,7 +8,9 @@ checks the call once and returns a `run()` that computes `out = x @ W (+ residua
 beyond one foreign call, for the planned executor to call every step; `linear_native` is the one-shot form.
 `prepare_slab_attention`, `prepare_rms_norm`, `prepare_silu_mul`, `prepare_rope` and `prepare_kv_write` do the
 same for the other ops, with the references' signatures and semantics, and hand back the reference's own prepared
-call for what the native kernels do not take (other dtypes or layouts, or no library).
+call for what the native kernels do not take (other dtypes or layouts, or no library). `fuse_calls(runs)` turns a
+sequence of such runs (a bound step's) into fewer callables: each stretch of native ones becomes one foreign call
+that runs them in C in the same order (`slabserve_run_calls`), so a step pays ctypes once per stretch, not per op.
 
 The library is compiled from the source beside this file into a cache folder keyed by the source's hash
 (`$SLABSERVE_KERNEL_CACHE`, else `~/.cache/slabserve/kernels`), written to a temporary name and renamed into
