@@ -1044,17 +1044,39 @@ static inline __attribute__((always_inline)) void vf_sums(const vf *v, int n, fl
 #endif
 }
 
+/* One row of K weights of `type` -> the K floats the matmul kernels multiply (dequant_row's, not exact). The 32-weight
+ * blocks go through block32v, the in-register decoding of the one-row kernels: on the AVX-512 build 16 lanes and a
+ * table lookup per 16 weights rather than dequant_row's 8 lanes and a convert and FMA per 8, the same values (each
+ * weight is fma(d, q, m) or q * d either way). */
+static void dequant_row_matmul(int type, const uint8_t *src, int64_t K, float *dst) {
+#ifdef __AVX512F__
+    if (type == WT_Q4_0 || type == WT_Q4_1 || type == WT_Q8_0) {
+        int bb = type == WT_Q8_0 ? 34 : type == WT_Q4_1 ? 20 : 18;
+        for (int64_t b = 0; b < K / 32; b++, src += bb, dst += 32) {
+            vf v[32 / VL];
+            if (type == WT_Q4_0) block32v(WT_Q4_0, src, v);
+            else if (type == WT_Q4_1) block32v(WT_Q4_1, src, v);
+            else block32v(WT_Q8_0, src, v);
+            for (int i = 0; i < 32 / VL; i++) _mm512_storeu_ps(dst + VL * i, v[i]);
+        }
+        return;
+    }
+#endif
+    dequant_row(type, src, K, dst, 0);
+}
+
 /* Weight rows ahead that the block kernels prefetch: while a task multiplies rows n..n+7 it asks for the bytes of rows
  * n+16.., at the same block. A decode step streams ~100 MB of blocks that no cache holds between steps, and the
  * hardware prefetcher alone leaves the kernels waiting on memory at half the bandwidth (batch 1: 5.6 ms of SmolLM2's
  * projections and head at 17 GB/s; with this, 3.0 ms at 32 GB/s). A prefetch past the last row is a hint that
  * cannot fault. One row of x (gemv_blocks32) prefetches into L2 only (PF_LONE): on an AMD EPYC (Zen 4) prefetches
  * into L1 held its few fill buffers and SmolLM2's batch-1 projections and head streamed at 18-19 GB/s, against
- * 22.5 (projections, then bound by the lookups) and 35 GB/s (the Q8_0 head) into L2. Where a block serves several
- * rows of x the kernels are bound by arithmetic, and L1 was as good or better (2-5%). */
+ * 22.5 (projections, then bound by the lookups) and 35 GB/s (the Q8_0 head) into L2. The scratch path (more than
+ * FEW_ROWS rows of x) prefetches whole rows into L2 too, at every batch: at 32 rows its steps had waited on the
+ * rows they dequantize (4-6% faster with, where prefetching into L1 had been 5% slower); 6 to 256 rows as fast or
+ * faster. The few-rows kernels, bound by arithmetic, keep L1 (as good as or 2-5% better than L2). */
 #define PF_ROWS 16
 #define PF_LONE _MM_HINT_T1
-#define PF_MAX_M 16  /* rows of x up to which the scratch path prefetches (at 32 the step is compute-bound: 5% slower with) */
 
 /* `mr` rows of x (1..TILE_M) times `nr` dequantized rows of w (1..8 when mr is 1, else 1..4), each (i, j) one VL-lane
  * FMA chain over k in order then summed across lanes by vf_sum: the arithmetic of a result never depends on the
@@ -1241,11 +1263,9 @@ int slabserve_linear_q(int64_t M, int64_t N, int64_t K, const float *x, int64_t 
         }
         float buf[rows * K];
         for (int j = 0; j < nr; j++) {
-            if (M <= PF_MAX_M) {
-                const uint8_t *ahead = w + (n0 + PF_ROWS + j) * row_bytes;
-                for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
-            }
-            dequant_row((int)type, w + (n0 + j) * row_bytes, K, buf + j * K, 0);
+            const uint8_t *ahead = w + (n0 + PF_ROWS + j) * row_bytes;
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T1);
+            dequant_row_matmul((int)type, w + (n0 + j) * row_bytes, K, buf + j * K);
         }
         rows_times_dequantized(M, nr, K, x, ldx, buf, y + n0, ldy, residual ? residual + n0 : NULL, ldr);
     }
