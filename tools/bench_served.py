@@ -3,15 +3,18 @@
     .venv/bin/python tools/bench_served.py build/smollm2 [--streams 1 8] [--tokens 128] [--prompt 64]
                                            [--repeats 3] [--json FILE]
 
-First the engine alone: the bundle's Engine in this process (`Engine.from_plan`, warm-up included) decodes N
-sequences of `--tokens` tokens after an `--prompt`-token prompt, and the figure is its time per decode step (every
-sequence decoding; prefill left out). Then, with that engine freed, the same bundle served: `slabserve serve` in
-its own process on a free loopback port, waited for until SERVING (that wait, from the process's start, is
-reported as the server's ready time: health polled every 0.25 s), then N concurrent `Generate` streams over gRPC
-with the same prompts (token ids, `ignore_eos`) from this process; the figure is each stream's time per output
-token after its first (last token's arrival minus first's, over tokens - 1), the median over the streams. Each
-side runs `--repeats` times in turn and the best run counts (a 2-core machine's figures move with whatever else
-wakes up; the best of a few is the repeatable one). Never run it beside another benchmark.
+Two sides, the same bundle. The engine alone: the bundle's Engine in this process (`Engine.from_plan`, warm-up
+included) decodes N sequences of `--tokens` tokens after an `--prompt`-token prompt, and the figure is its time per
+decode step (every sequence decoding; prefill left out). Served: `slabserve serve` in its own process on a free
+loopback port, waited for until SERVING (that wait, from the process's start, is reported as the server's ready
+time: health polled every 0.25 s; the server starts before this process builds its engine, so that nothing else
+runs while it starts), then N concurrent `Generate` streams over gRPC with the same prompts (token ids,
+`ignore_eos`) from this process; the figure is each stream's time per output token after its first (last token's
+arrival minus first's, over tokens - 1), the median over the streams. The two sides alternate, engine then served,
+`--repeats` times at each stream count, each idle while the other runs, and the best run of each side counts: this
+machine's speed moves by 10-30% over minutes, and alternating puts both sides in the same minutes (measured one
+side after the other, three runs of the same code gave 1.10x-1.30x at 1 stream). Never run it beside another
+benchmark.
 
 The client runs on the same two cores as the server, as a local client would; its work per token (one protobuf
 message read per token and stream) is part of what it measures, and is small beside a decode step.
@@ -105,30 +108,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 2:
         parser.error("--tokens must be at least 2 (a time per token needs two tokens)")
 
-    engine = Engine.from_plan(args.bundle)
-    engine_ms = {n: min(engine_step_ms(engine, n, args.prompt, args.tokens, salt=r) for r in range(args.repeats))
-                 for n in args.streams}
-    vocab = engine.model_config.vocab_size
-    del engine
-    gc.collect()
-    release_free_heap()
-
     port = free_port()
     log = Path(args.json).with_suffix(".server.log") if args.json else Path("build/bench-served.server.log")
     started = time.monotonic()
     process = start_server(args.bundle, port, log, args.server_arg)
+    engine_ms: dict[int, float] = {}
     served: dict[int, tuple[float, float]] = {}
     try:
         addr = f"127.0.0.1:{port}"
         wait_serving(addr, process, args.start_timeout, log)
         ready_s = time.monotonic() - started  # process start to health SERVING, as an orchestrator sees it
+        engine = Engine.from_plan(args.bundle)
+        vocab = engine.model_config.vocab_size
         with grpc.insecure_channel(addr) as channel:
             stub = pb_grpc.SlabServeStub(channel)
             served_tpot_ms(stub, 1, args.prompt, 4, salt=99, vocab=vocab)  # warms the channel and the handlers
             for n in args.streams:
-                runs = [served_tpot_ms(stub, n, args.prompt, args.tokens, salt=r, vocab=vocab)
-                        for r in range(args.repeats)]
-                served[n] = min(runs)
+                alone, runs = [], []
+                for r in range(args.repeats):  # alternately: both sides in the same minutes of this machine
+                    alone.append(engine_step_ms(engine, n, args.prompt, args.tokens, salt=r))
+                    runs.append(served_tpot_ms(stub, n, args.prompt, args.tokens, salt=r, vocab=vocab))
+                engine_ms[n], served[n] = min(alone), min(runs)
+        del engine
+        gc.collect()
+        release_free_heap()
     finally:
         code = stop_server(process)
     rows = [{"streams": n, "engine_step_ms": engine_ms[n], "served_ms_per_token": served[n][0],
