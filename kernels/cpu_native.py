@@ -195,18 +195,18 @@ def fuse_calls(calls: list[Callable[[], object]]) -> list[Callable[[], object]]:
     prepared call runs again to raise its error (a refused call has done nothing; the calls before it have run)."""
     lib = _load()
     out: list[Callable[[], object]] = []
-    run_: list[Callable[[], object]] = []
+    stretch: list[Callable[[], object]] = []
 
     def flush() -> None:
-        if len(run_) >= 2 and lib is not None:
-            out.append(_fused(lib, list(run_)))
+        if len(stretch) >= 2 and lib is not None:
+            out.append(_fused(lib, list(stretch)))
         else:
-            out.extend(run_)
-        run_.clear()
+            out.extend(stretch)
+        stretch.clear()
 
     for call in calls:
         if getattr(call, "native", None) is not None:
-            run_.append(call)
+            stretch.append(call)
         else:
             flush()
             out.append(call)
