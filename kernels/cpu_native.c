@@ -1044,6 +1044,16 @@ static inline __attribute__((always_inline)) void vf_sums(const vf *v, int n, fl
 #endif
 }
 
+/* y[i * ldy + j] = vf_sum(acc[i * nr + j]) (+ r[i * ldr + j]) for an mr x nr tile of accumulators, the lanes
+ * summed by vf_sums. */
+static inline __attribute__((always_inline)) void store_sums(const vf *acc, int mr, int nr, float *y, int64_t ldy,
+                                                             const float *r, int64_t ldr) {
+    float sums[TILE_M * 8];
+    vf_sums(acc, mr * nr, sums);
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = r ? sums[i * nr + j] + r[i * ldr + j] : sums[i * nr + j];
+}
+
 /* One row of K weights of `type` -> the K floats the matmul kernels multiply (dequant_row's, not exact). The 32-weight
  * blocks go through block32v, the in-register decoding of the one-row kernels: on the AVX-512 build 16 lanes and a
  * table lookup per 16 weights rather than dequant_row's 8 lanes and a convert and FMA per 8, the same values (each
@@ -1105,12 +1115,9 @@ static inline __attribute__((always_inline)) void dot_tile(int mr, int nr, int64
         }
     }
     vf flat[TILE_M * 8];
-    float sums[TILE_M * 8];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) flat[i * nr + j] = c[i][j];
-    vf_sums(flat, mr * nr, sums);
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[i * ldy + j] = r ? sums[i * nr + j] + r[i * ldr + j] : sums[i * nr + j];
+    store_sums(flat, mr, nr, y, ldy, r, ldr);
 }
 
 /* One row of x times `nr` (<= GEMV_ROWS) rows of 32-weight blocks, dequantized in registers: each (row, n) is the
@@ -1161,12 +1168,9 @@ static inline __attribute__((always_inline)) void gemm_few_blocks32(int type, in
         }
     }
     vf flat[FEW_ROWS * FEW_ROWS];
-    float sums[FEW_ROWS * FEW_ROWS];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) flat[i * nr + j] = acc[i][j];
-    vf_sums(flat, mr * nr, sums);
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[i * ldy + j] = r ? sums[i * nr + j] + r[i * ldr + j] : sums[i * nr + j];
+    store_sums(flat, mr, nr, y, ldy, r, ldr);
 }
 
 /* `M` (1..FEW_ROWS) rows of x times `nr` rows of 32-weight blocks of `type` (Q4_0, Q4_1, Q8_0), dequantized in

@@ -13,7 +13,7 @@ runs while it starts), then N concurrent `Generate` streams over gRPC with the s
 arrival minus first's, over tokens - 1), the median over the streams. The two sides alternate, engine then served,
 `--repeats` times at each stream count, each idle while the other runs, and the best run of each side counts: this
 machine's speed moves by 10-30% over minutes, and alternating puts both sides in the same minutes (measured one
-side after the other, three runs of the same code gave 1.10x-1.30x at 1 stream). Never run it beside another
+side after the other, five runs of the same batch-1 code gave 1.10x-1.39x at 1 stream). Never run it beside another
 benchmark.
 
 The client runs on the same two cores as the server, as a local client would; its work per token (one protobuf
@@ -22,7 +22,6 @@ message read per token and stream) is part of what it measures, and is small bes
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -35,7 +34,6 @@ import grpc
 from slabserve.proto.slabserve.v1 import serving_pb2 as pb
 from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 from slabserve.runtime.engine import Engine, StoppingOptions
-from slabserve.runtime.engine_loop import release_free_heap
 from slabserve.tools.soak import free_port, start_server, stop_server, wait_serving
 
 
@@ -129,9 +127,6 @@ def main(argv: list[str] | None = None) -> int:
                     alone.append(engine_step_ms(engine, n, args.prompt, args.tokens, salt=r))
                     runs.append(served_tpot_ms(stub, n, args.prompt, args.tokens, salt=r, vocab=vocab))
                 engine_ms[n], served[n] = min(alone), min(runs)
-        del engine
-        gc.collect()
-        release_free_heap()
     finally:
         code = stop_server(process)
     rows = [{"streams": n, "engine_step_ms": engine_ms[n], "served_ms_per_token": served[n][0],
