@@ -531,21 +531,20 @@ static void block_softmax(int D, float *sc, int len, float *m, float *l, float *
 }
 #endif
 
-/* Asks for the K and V rows of the block `ahead` keys past kb and vb (up to KEY_BLOCK of the `left` keys there) to
- * be brought into L2 while the current block is computed. A decode row reads each block once, so without this it
- * waits on memory (one kv head reads 256 of every 768 bytes of a SmolLM2 cache row, a pattern the hardware
- * prefetchers did not keep up with). On an AMD EPYC (Zen 4), 32 decode rows at 1,000-3,000 keys ran 1.5-1.6x faster
- * (prefetching into L1 instead: 1.05-1.1x); prefill chunks, which reuse each block for many rows, ran as fast as
- * without. */
-static inline __attribute__((always_inline)) void prefetch_block(const char *kb, const char *vb, int64_t ahead,
-                                                                 int64_t left, int64_t ldkv, int D, size_t item) {
+/* Asks for the cache rows of the block `ahead` keys past b (up to KEY_BLOCK of the `left` keys there, D elements
+ * of `item` bytes each) to be brought into L2 while the current block is computed: the block's keys before its
+ * scores, its values after the first row's scores, so that the requests go out in two bursts between computing
+ * rather than one. A decode row reads each block once, so without this it waits on memory (one kv head reads 256 of
+ * every 768 bytes of a SmolLM2 cache row, a pattern the hardware prefetchers did not keep up with). On an AMD EPYC
+ * (Zen 4), 32 decode rows at 1,000-3,000 keys ran 1.5-1.6x faster with one burst (prefetching into L1 instead:
+ * 1.05-1.1x), and 16 rows at 3,000 keys 2.8 against 3.4 ms with two; two blocks ahead was slower. Prefill chunks,
+ * which reuse each block for many rows, ran as fast as without. */
+static inline __attribute__((always_inline)) void prefetch_rows(const char *b, int64_t ahead, int64_t left,
+                                                                int64_t ldkv, int D, size_t item) {
     size_t stride = (size_t)ldkv * item, bytes = (size_t)D * item;
     int64_t rows = left < KEY_BLOCK ? left : KEY_BLOCK;
     for (int64_t i = 0; i < rows; i++)
-        for (size_t o = 0; o < bytes; o += 64) {
-            _mm_prefetch(kb + (ahead + i) * stride + o, _MM_HINT_T1);
-            _mm_prefetch(vb + (ahead + i) * stride + o, _MM_HINT_T1);
-        }
+        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(b + (ahead + i) * stride + o, _MM_HINT_T1);
 }
 
 /* `R` consecutive query rows of one sequence, each with its G heads (row r: G rows of D at q + r * ldq), over
@@ -569,12 +568,14 @@ static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G,
     for (int64_t start = 0; start < n_last; start += KEY_BLOCK) {
         const char *kb = (const char *)k + (first + start * ldkv) * item;
         const char *vb = (const char *)v + (first + start * ldkv) * item;
-        if (start + KEY_BLOCK < n_last) prefetch_block(kb, vb, KEY_BLOCK, n_last - start - KEY_BLOCK, ldkv, D, item);
+        int ahead = start + KEY_BLOCK < n_last;
+        if (ahead) prefetch_rows(kb, KEY_BLOCK, n_last - start - KEY_BLOCK, ldkv, D, item);
         for (int r = 0; r < R; r++) {
             int64_t n = n0 + r;
             if (start >= n) continue;
             int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
             group_scores(G, D, q + r * ldq, kb, ldkv, len, scale, sc, kind);
+            if (ahead && r == 0) prefetch_rows(vb, KEY_BLOCK, n_last - start - KEY_BLOCK, ldkv, D, item);
             for (int h = 0; h < G; h++) {
                 int i = r * G + h;
                 block_softmax(D, sc + h * KEY_BLOCK, len, &m[i], &l[i], acc + (size_t)i * D);
