@@ -61,6 +61,11 @@ int slabserve_cpu_supported(void) {
  * as they are loaded (exactly) and fp32 rows rounded to nearest even as they are stored, as torch converts. */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 
+/* Asks for the `bytes` from p, a 64-byte line at a time, to be brought into L2 (a prefetch never faults). */
+static inline __attribute__((always_inline)) void prefetch_l2(const void *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
+}
+
 static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t index, int kind) {
     if (kind == KV_BF16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
@@ -181,7 +186,7 @@ void slabserve_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64
  * floats) within TILE_FLOATS on the stack (64 KB), at most MAX_ROW_TILE; 4 at the largest group and head_dim. */
 #define TILE_FLOATS (MAX_GROUP * MAX_HEAD_DIM * 4)
 #define MAX_ROW_TILE 16
-#define TASKS_PER_THREAD 4
+#define TASKS_PER_THREAD 4  /* attention tasks a thread gets at least, when there are rows for them */
 
 /* exp(x) for 8 floats: Cephes' range reduction and degree-5 polynomial (relative error about 2e-7); inputs
  * below -87.3 give 0. */
@@ -531,20 +536,19 @@ static void block_softmax(int D, float *sc, int len, float *m, float *l, float *
 }
 #endif
 
-/* Asks for the cache rows of the block `ahead` keys past b (up to KEY_BLOCK of the `left` keys there, D elements
- * of `item` bytes each) to be brought into L2 while the current block is computed: the block's keys before its
+/* Asks for the cache rows of the next block, KEY_BLOCK keys past b (up to KEY_BLOCK of the `left` keys there, D
+ * elements of `item` bytes each), to be brought into L2 while the current block is computed: the block's keys before its
  * scores, its values after the first row's scores, so that the requests go out in two bursts between computing
  * rather than one. A decode row reads each block once, so without this it waits on memory (one kv head reads 256 of
  * every 768 bytes of a SmolLM2 cache row, a pattern the hardware prefetchers did not keep up with). On an AMD EPYC
  * (Zen 4), 32 decode rows at 1,000-3,000 keys ran 1.5-1.6x faster with one burst (prefetching into L1 instead:
  * 1.05-1.1x), and 16 rows at 3,000 keys 2.8 against 3.4 ms with two; two blocks ahead was slower. Prefill chunks,
  * which reuse each block for many rows, ran as fast as without. */
-static inline __attribute__((always_inline)) void prefetch_rows(const char *b, int64_t ahead, int64_t left,
-                                                                int64_t ldkv, int D, size_t item) {
-    size_t stride = (size_t)ldkv * item, bytes = (size_t)D * item;
+static inline __attribute__((always_inline)) void prefetch_next_block(const char *b, int64_t left, int64_t ldkv,
+                                                                      int D, size_t item) {
+    size_t stride = (size_t)ldkv * item;
     int64_t rows = left < KEY_BLOCK ? left : KEY_BLOCK;
-    for (int64_t i = 0; i < rows; i++)
-        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(b + (ahead + i) * stride + o, _MM_HINT_T1);
+    for (int64_t i = 0; i < rows; i++) prefetch_l2(b + (KEY_BLOCK + i) * stride, (size_t)D * item);
 }
 
 /* `R` consecutive query rows of one sequence, each with its G heads (row r: G rows of D at q + r * ldq), over
@@ -568,14 +572,14 @@ static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G,
     for (int64_t start = 0; start < n_last; start += KEY_BLOCK) {
         const char *kb = (const char *)k + (first + start * ldkv) * item;
         const char *vb = (const char *)v + (first + start * ldkv) * item;
-        int ahead = start + KEY_BLOCK < n_last;
-        if (ahead) prefetch_rows(kb, KEY_BLOCK, n_last - start - KEY_BLOCK, ldkv, D, item);
+        int64_t left = n_last - start - KEY_BLOCK;  /* keys past this block: the next block's are asked for */
+        if (left > 0) prefetch_next_block(kb, left, ldkv, D, item);
         for (int r = 0; r < R; r++) {
             int64_t n = n0 + r;
             if (start >= n) continue;
             int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
             group_scores(G, D, q + r * ldq, kb, ldkv, len, scale, sc, kind);
-            if (ahead && r == 0) prefetch_rows(vb, KEY_BLOCK, n_last - start - KEY_BLOCK, ldkv, D, item);
+            if (left > 0 && r == 0) prefetch_next_block(vb, left, ldkv, D, item);
             for (int h = 0; h < G; h++) {
                 int i = r * G + h;
                 block_softmax(D, sc + h * KEY_BLOCK, len, &m[i], &l[i], acc + (size_t)i * D);
@@ -648,7 +652,7 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
      * them (16 decode rows at 3,000 keys: 3.5 against 4.6 ms on an AMD EPYC, with the prefetch above). */
     int64_t tiles_wanted = (TASKS_PER_THREAD * omp_get_max_threads() + num_kv_heads - 1) / num_kv_heads;
     if (real_rows < row_tile * tiles_wanted) row_tile = (real_rows + tiles_wanted - 1) / tiles_wanted;
-    if (row_tile < 1) row_tile = 1;
+    if (row_tile < 1) row_tile = 1;  /* no real rows: no tiles, and no division by zero below */
     int64_t tiles = (real_rows + row_tile - 1) / row_tile;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t g = 0; g < num_kv_heads; g++) {
@@ -1294,8 +1298,7 @@ int slabserve_linear_q(int64_t M, int64_t N, int64_t K, const float *x, int64_t 
         }
         float buf[rows * K];
         for (int j = 0; j < nr; j++) {
-            const uint8_t *ahead = w + (n0 + PF_ROWS + j) * row_bytes;
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T1);
+            prefetch_l2(w + (n0 + PF_ROWS + j) * row_bytes, (size_t)row_bytes);
             dequant_row_matmul((int)type, w + (n0 + j) * row_bytes, K, buf + j * K);
         }
         rows_times_dequantized(M, nr, K, x, ldx, buf, y + n0, ldy, residual ? residual + n0 : NULL, ldr);

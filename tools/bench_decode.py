@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             ours = bench_slabserve(engine, batch, args.prompt, args.steps)
             entry["rows"].append({
                 "batch": batch, "slabserve_tok_s": ours, "transformers_tok_s": theirs[batch],
-                "ratio": theirs[batch] and ours / theirs[batch], "bandwidth_limit_tok_s": limit * batch,
+                "ratio": None if theirs[batch] is None else ours / theirs[batch], "bandwidth_limit_tok_s": limit * batch,
                 "share_of_limit": ours / (limit * batch), "read_limit_tok_s": read_limit * batch,
                 "share_of_read_limit": ours / (read_limit * batch)})
     if args.prefill:
