@@ -551,29 +551,83 @@ static inline __attribute__((always_inline)) void prefetch_next_block(const char
     for (int64_t i = 0; i < rows; i++) prefetch_l2(b + (KEY_BLOCK + i) * stride, (size_t)D * item);
 }
 
+/* Keys per partition of a row's keys: a row over more than KEY_PART keys is attended one partition at a time, each
+ * with its own online-softmax state from empty, and the states are merged in key order (merge_state). Every row
+ * does this whatever its step holds, so that a decode step with few rows can give the partitions of one row to
+ * different threads (slabserve_slab_attention_f32) and still produce the bits a prefill chunk gives for the same
+ * row. A multiple of KEY_BLOCK, so the partitions cut the blocks at the offsets every row uses. */
+#define KEY_PART 512
+/* Floats of partial states (m, l and head_dim accumulators per row, head and partition) the calling thread keeps
+ * on its stack for a split step: 128 KB, SmolLM2's 9 heads at 8,192 keys for up to 3 rows. */
+#define SPLIT_FLOATS 32768
+
+/* Merges an online-softmax state b (max mb, sum lb, accumulator accb) into a (a's max -INFINITY: empty, b copied);
+ * the one way states are combined, so a row's bits do not depend on which thread computed which partition. */
+static inline void merge_state(int D, float *ma, float *la, float *acca, float mb, float lb, const float *accb) {
+    if (mb == -INFINITY) return;
+    if (*ma == -INFINITY) {
+        *ma = mb;
+        *la = lb;
+        memcpy(acca, accb, (size_t)D * sizeof(float));
+        return;
+    }
+    float mx = *ma > mb ? *ma : mb, ca = expf(*ma - mx), cb = expf(mb - mx);
+    *la = *la * ca + lb * cb;
+    for (int d = 0; d < D; d++) acca[d] = acca[d] * ca + accb[d] * cb;
+    *ma = mx;
+}
+
+/* At the block starting at key `start`, the first of a partition: for each row with keys there (row r sees n0 + r),
+ * merges the state of the partition before into the merged state (mm, ml, macc) and starts the new one empty. Out
+ * of line, so the block loop's code stays as it was without partitions. */
+static __attribute__((noinline)) void next_partition(int R, int G, int D, int64_t n0, int64_t start, float *m,
+                                                     float *l, float *acc, float *mm, float *ml, float *macc) {
+    for (int r = 0; r < R; r++) {
+        if (start >= n0 + r) continue;
+        for (int h = 0; h < G; h++) {
+            int i = r * G + h;
+            merge_state(D, &mm[i], &ml[i], macc + (size_t)i * D, m[i], l[i], acc + (size_t)i * D);
+            m[i] = -INFINITY;
+            l[i] = 0.0f;
+            memset(acc + (size_t)i * D, 0, (size_t)D * sizeof(float));
+        }
+    }
+}
+
 /* `R` consecutive query rows of one sequence, each with its G heads (row r: G rows of D at q + r * ldq), over
  * the keys starting at element `first` of k/v (row stride ldkv elements, of `kind`): row r sees n0 + r keys. Each
  * block of KEY_BLOCK keys is loaded once for all R rows and G heads while it sits in L1, and every row takes the
- * blocks at the same key offsets (0, 64, 128, ...) in the same order with the same code, whatever R is and
- * whichever row of its chunk it is: a row's result depends only on its query and its keys, never on how the
- * prompt was cut into chunks or what else shares the step (the exactness prefix reuse relies on). */
+ * blocks at the same key offsets (0, 64, 128, ...) in the same order with the same code, its partitions of KEY_PART
+ * keys each from an empty state, merged in order, whatever R is and whichever row of its chunk it is: a row's result
+ * depends only on its query and its keys, never on how the prompt was cut into chunks or what else shares the step
+ * (the exactness prefix reuse relies on).
+ *
+ * With `part` NULL: every partition, merged, normalized into out (row r, head h at out + r * ldo + h * D). Else only
+ * the keys of partition `p`, and the unnormalized state of each row and head goes to part + r * pstride + h * (D + 2)
+ * (m, l, then D accumulators; m = -INFINITY for a row with no key there), for the caller to merge. */
 static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G, int D, const float *q, int64_t ldq,
                                                                    const void *k, const void *v, int64_t first,
                                                                    int64_t ldkv, int64_t n0, float scale,
-                                                                   float *out, int64_t ldo, int kind) {
+                                                                   float *out, int64_t ldo, int kind, int64_t p,
+                                                                   float *part, int64_t pstride) {
     float acc[TILE_FLOATS], m[MAX_ROW_TILE * MAX_GROUP], l[MAX_ROW_TILE * MAX_GROUP], sc[MAX_GROUP * KEY_BLOCK];
+    float macc[TILE_FLOATS], mm[MAX_ROW_TILE * MAX_GROUP], ml[MAX_ROW_TILE * MAX_GROUP];  /* merged partitions */
     size_t item = kind == KV_F32 ? 4 : 2;
     for (int i = 0; i < R * G; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
+        m[i] = mm[i] = -INFINITY;
+        l[i] = ml[i] = 0.0f;
     }
     memset(acc, 0, (size_t)R * G * D * sizeof(float));
     int64_t n_last = n0 + R - 1;
-    for (int64_t start = 0; start < n_last; start += KEY_BLOCK) {
+    int64_t lo = part ? p * KEY_PART : 0, hi = part ? (p + 1) * KEY_PART : n_last;
+    if (hi > n_last) hi = n_last;
+    for (int64_t start = lo; start < hi; start += KEY_BLOCK) {
         const char *kb = (const char *)k + (first + start * ldkv) * item;
         const char *vb = (const char *)v + (first + start * ldkv) * item;
-        int64_t left = n_last - start - KEY_BLOCK;  /* keys past this block: the next block's are asked for */
+        int64_t left = hi - start - KEY_BLOCK;  /* keys past this block: the next block's are asked for */
         if (left > 0) prefetch_next_block(kb, left, ldkv, D, item);
+        if (!part && start > 0 && start % KEY_PART == 0)  /* a new partition: merge the last, start empty */
+            next_partition(R, G, D, n0, start, m, l, acc, mm, ml, macc);
         for (int r = 0; r < R; r++) {
             int64_t n = n0 + r;
             if (start >= n) continue;
@@ -590,17 +644,34 @@ static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G,
     for (int r = 0; r < R; r++)
         for (int h = 0; h < G; h++) {
             int i = r * G + h;
+            if (part) {
+                float *st = part + r * pstride + h * (D + 2);
+                st[0] = m[i];
+                st[1] = l[i];
+                memcpy(st + 2, acc + (size_t)i * D, (size_t)D * sizeof(float));
+                continue;
+            }
+            const float *final = acc + (size_t)i * D;  /* one partition: its state is the row's (merging into an
+                                                        * empty state would copy it) */
+            if (mm[i] != -INFINITY) {
+                merge_state(D, &mm[i], &ml[i], macc + (size_t)i * D, m[i], l[i], final);
+                final = macc + (size_t)i * D;
+                l[i] = ml[i];
+            }
             float inv = 1.0f / l[i];
-            for (int d = 0; d < D; d++) out[r * ldo + h * D + d] = acc[(size_t)i * D + d] * inv;
+            for (int d = 0; d < D; d++) out[r * ldo + h * D + d] = final[d] * inv;
         }
 }
 
 /* attend_rows_kind with `kind` a constant in each branch, so each gets its own loads inlined. */
 static void attend_rows(int R, int G, int D, const float *q, int64_t ldq, const void *k, const void *v,
-                        int64_t first, int64_t ldkv, int64_t n0, float scale, float *out, int64_t ldo, int kind) {
-    if (kind == KV_BF16) attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_BF16);
-    else if (kind == KV_F16) attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_F16);
-    else attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_F32);
+                        int64_t first, int64_t ldkv, int64_t n0, float scale, float *out, int64_t ldo, int kind,
+                        int64_t p, float *part, int64_t pstride) {
+    if (kind == KV_BF16)
+        attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_BF16, p, part, pstride);
+    else if (kind == KV_F16)
+        attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_F16, p, part, pstride);
+    else attend_rows_kind(R, G, D, q, ldq, k, v, first, ldkv, n0, scale, out, ldo, KV_F32, p, part, pstride);
 }
 
 /* The sequence owning flat row `row` (query_start ascending, row < query_start[num_seqs]). */
@@ -614,10 +685,63 @@ static int64_t seq_of_row(const int32_t *query_start, int64_t num_seqs, int64_t 
     return lo;
 }
 
+/* slabserve_slab_attention_f32's split step: tasks of (kv head, tile, key partition), each writing its rows'
+ * partial states into `states` on this thread's stack, then each row and head merged in partition order and
+ * normalized into out. Its own function, so that the stack it takes is taken only by the steps that split. */
+static __attribute__((noinline)) void attend_split(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                                   int64_t group, int64_t head_dim, const float *q, int64_t ldq,
+                                                   const void *k_cache, const void *v_cache,
+                                                   const int32_t *query_start, const int64_t *slab_offset,
+                                                   const int32_t *context_len, float scale, float *out, int64_t ldo,
+                                                   int64_t kv_kind, int64_t ldkv, int64_t row_tile, int64_t tiles,
+                                                   int64_t parts, int64_t real_rows, int64_t pstride) {
+    float states[SPLIT_FLOATS];
+    int64_t first_row = query_start[0];
+    #pragma omp parallel
+    {
+        #pragma omp for collapse(3) schedule(dynamic, 1)
+        for (int64_t g = 0; g < num_kv_heads; g++)
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t p = 0; p < parts; p++) {
+                    int64_t r = first_row + t * row_tile, r_end = r + row_tile;
+                    if (r_end > query_start[num_seqs]) r_end = query_start[num_seqs];
+                    int64_t s = seq_of_row(query_start, num_seqs, r);
+                    while (r < r_end) {
+                        while (query_start[s + 1] <= r) s++;
+                        int64_t begin = query_start[s], rows = query_start[s + 1] - begin;
+                        int64_t context = context_len[s];
+                        int64_t run_end = query_start[s + 1] < r_end ? query_start[s + 1] : r_end;
+                        if (context >= rows)
+                            attend_rows((int)(run_end - r), (int)group, (int)head_dim,
+                                        q + r * ldq + g * group * head_dim, ldq, k_cache, v_cache,
+                                        slab_offset[s] * ldkv + g * head_dim, ldkv,
+                                        context - rows + (r - begin) + 1, scale, NULL, 0, (int)kv_kind, p,
+                                        states + (p * real_rows + r - first_row) * pstride
+                                            + g * group * (head_dim + 2), pstride);
+                        r = run_end;
+                    }
+                }
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t r = first_row; r < query_start[num_seqs]; r++)
+            for (int64_t h = 0; h < num_heads; h++) {
+                int64_t s = seq_of_row(query_start, num_seqs, r);
+                if (context_len[s] < query_start[s + 1] - query_start[s]) continue;  /* zeroed above */
+                float m = -INFINITY, l = 0.0f, *o = out + r * ldo + h * head_dim;
+                for (int64_t p = 0; p < parts; p++) {
+                    const float *st = states + (p * real_rows + r - first_row) * pstride + h * (head_dim + 2);
+                    merge_state((int)head_dim, &m, &l, o, st[0], st[1], st + 2);
+                }
+                float inv = 1.0f / l;
+                for (int64_t d = 0; d < head_dim; d++) o[d] = o[d] * inv;
+            }
+    }
+}
+
 /* Attends every sequence that has at least as many keys as rows (decode rows and prefill chunks of any length),
  * and zeroes the rows that see no key (those of sequences with fewer keys than rows, and the padding rows from
  * query_start[num_seqs] to num_rows). The work is split into tasks of up to `row_tile` flat rows per kv head, so
- * a long chunk spreads over every thread. Returns 0; or, having done nothing, -1 when the head layout is beyond
+ * a long chunk spreads over every thread, and when that gives fewer than two tasks a thread, further by key
+ * partition (attend_split). Returns 0; or, having done nothing, -1 when the head layout is beyond
  * this kernel and -2 when the metadata points outside the rows of q or past the caches' cache_rows. */
 int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t cache_rows, const float *q, int64_t ldq,
@@ -654,6 +778,24 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
     if (real_rows < row_tile * tiles_wanted) row_tile = (real_rows + tiles_wanted - 1) / tiles_wanted;
     if (row_tile < 1) row_tile = 1;  /* no real rows: no tiles, and no division by zero below */
     int64_t tiles = (real_rows + row_tile - 1) / row_tile;
+    /* Fewer than two tasks a thread (a decode step of one row: SmolLM2's 3 kv heads are 3 tasks for 2 threads, one
+     * of which waits half the attention): the rows' key partitions become tasks of their own, their states kept
+     * here and merged afterwards, which gives the bits the rows get unsplit (attend_rows_kind). Batch-1 decode after
+     * a 3,000-token prompt went from 69-71 to 76-77 tok/s on an AMD EPYC; two rows (6 tasks, already even) ran 5%
+     * slower split, so they are not. */
+    int64_t parts = 1, threads = omp_get_max_threads();
+    for (int64_t s = 0; s < num_seqs; s++) {
+        int64_t rows = query_start[s + 1] - query_start[s], n = (context_len[s] + KEY_PART - 1) / KEY_PART;
+        if (rows >= 1 && context_len[s] >= rows && n > parts) parts = n;
+    }
+    int64_t pstride = num_heads * (head_dim + 2);  /* a row's states in one partition */
+    if (threads > 1 && parts > 1 && num_kv_heads * tiles < 2 * threads
+        && parts * real_rows * pstride <= SPLIT_FLOATS) {
+        attend_split(num_seqs, num_heads, num_kv_heads, group, head_dim, q, ldq, k_cache, v_cache, query_start,
+                     slab_offset, context_len, scale, out, ldo, kv_kind, ldkv, row_tile, tiles, parts, real_rows,
+                     pstride);
+        return 0;
+    }
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t g = 0; g < num_kv_heads; g++) {
         for (int64_t t = 0; t < tiles; t++) {
@@ -668,7 +810,7 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
                     const float *qr = q + r * ldq + g * group * head_dim;
                     attend_rows((int)(run_end - r), (int)group, (int)head_dim, qr, ldq, k_cache, v_cache,
                                 slab_offset[s] * ldkv + g * head_dim, ldkv, context - rows + (r - begin) + 1,
-                                scale, out + r * ldo + g * group * head_dim, ldo, (int)kv_kind);
+                                scale, out + r * ldo + g * group * head_dim, ldo, (int)kv_kind, 0, NULL, 0);
                 }
                 r = run_end;
             }

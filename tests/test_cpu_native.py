@@ -177,6 +177,37 @@ def test_native_attention_rows_do_not_depend_on_chunking_or_batch(kv_dtype, head
 
 
 @needs_native
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 32), (4, 1, 128)])
+def test_rows_past_a_key_partition_are_the_same_split_across_threads_or_not(kv_dtype, heads, kv_heads, head_dim):
+    """A row over more than one partition of keys (cpu_native.c: KEY_PART, 512) attends each partition from an empty
+    softmax state and merges them in order; a decode step with fewer than two tasks a thread (one row over 3 kv
+    heads, or two over 1, for 2 threads) gives a row's partitions to different threads and merges afterwards. The
+    bits must not depend on which happened: decode alone, decode beside others (enough tasks not to split), and the
+    prompt's rows in prefill chunks all give the same rows."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs two threads; the kernel follows torch's setting
+    try:
+        gen = torch.Generator().manual_seed(head_dim)
+        n, offset, tail = 1150, 40, 24
+        q = torch.randn(n, heads, head_dim, generator=gen)
+        k_cache = torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype)
+        v_cache = torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype)
+        whole = _attend_pieces(q, k_cache, v_cache, [n], offset, 0, gen)
+        for pieces, others in (([n - tail] + [1] * tail, 0), ([n - tail] + [1] * tail, 1),
+                               ([n - tail] + [1] * tail, 6), ([300, 212, 1, 600, 37], 2)):
+            got = _attend_pieces(q, k_cache, v_cache, pieces, offset, others, gen)
+            assert torch.equal(got, whole), f"rows differ when the prompt runs as {pieces} beside {others} others"
+        want = reference.slab_prefill_attention_ref(q, k_cache.float(), v_cache.float(),
+                                                    torch.tensor([0, n], dtype=torch.int32), torch.tensor([offset]),
+                                                    torch.tensor([n], dtype=torch.int32), head_dim ** -0.5,
+                                                    torch.empty_like(q))
+        torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(6))
 def test_half_precision_caches_attend_as_their_fp32_widening(kv_dtype, seed):

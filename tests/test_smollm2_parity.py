@@ -59,7 +59,7 @@ def slabserve_greedy(prompt_ids: list[list[int]]):
     return [ids[len(p):] for ids, p in zip(seqs, prompt_ids)], torch.stack(logits_per_step, 1)  # (S, steps, V)
 
 
-def transformers_greedy(prompt_ids: list[list[int]]):
+def transformers_greedy(prompt_ids: list[list[int]], new_tokens: int = NEW_TOKENS):
     import transformers
 
     path = smollm2_path()
@@ -69,7 +69,7 @@ def transformers_greedy(prompt_ids: list[list[int]]):
     for ids in prompt_ids:
         past, cur, new, step_logits = None, torch.tensor([ids]), [], []
         with torch.no_grad():
-            for _ in range(NEW_TOKENS):
+            for _ in range(new_tokens):
                 out = model(cur, past_key_values=past, use_cache=True)
                 past, last = out.past_key_values, out.logits[0, -1]
                 step_logits.append(last)
@@ -121,3 +121,32 @@ def test_engine_greedy_matches_transformers(prompt_ids, reference, batched, weig
     for i, got in enumerate(outputs):
         assert list(got) == ref[i % len(ref)], f"request {i} ({PROMPTS[i % len(PROMPTS)]!r}) differs"
     assert engine.scheduler.load().free_per_class == (16,)
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="the key partitions are the native kernel's")
+def test_engine_greedy_matches_transformers_past_key_partitions():
+    """A prompt over more keys than two of the native attention's partitions (512 keys each, merged in order; one
+    decoding row's partitions go to different threads): greedy ids equal transformers' alone (the split step) and
+    beside two others (not split), and the prompt prefills in chunks of 256 that cross the partitions."""
+    from slabserve.runtime.engine import Engine, EngineConfig, StoppingOptions
+    from slabserve.runtime.slab_allocator import SlabClass
+
+    tok = Tokenizer.from_gguf(smollm2_path())
+    text = " ".join(f"Note {i}: {p}" for i, p in enumerate(PROMPTS * 24))
+    long_ids = tok.encode_chat([{"role": "user", "content": "Summarize these notes in one line. " + text}])
+    assert 1100 < len(long_ids) < 1900, len(long_ids)
+    short_ids = tok.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    new_tokens = 24
+    ref, _ = transformers_greedy([long_ids, short_ids], new_tokens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs two threads
+    try:
+        engine = Engine(EngineConfig(str(smollm2_path()), (SlabClass(2048, 4),), max_seqs=4, step_tokens=256,
+                                     weight_format="gguf"))
+        stopping = StoppingOptions(max_tokens=new_tokens, ignore_eos=True)
+        alone = engine.generate([long_ids], stopping=stopping)[0].token_ids
+        together = engine.generate([long_ids, short_ids, long_ids], stopping=stopping)
+    finally:
+        torch.set_num_threads(threads)
+    assert list(alone) == ref[0], "the long prompt alone differs from transformers"
+    assert [list(c.token_ids) for c in together] == [ref[0], ref[1], ref[0]], "beside others it differs"
