@@ -24,6 +24,7 @@ device staging buffers, and replays it after copying the step inputs into them.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -352,6 +353,19 @@ class Allocation:
 
     nbytes: int
     ops: tuple[str, ...]  # e.g. ("slabserve::rope", "aten::to", "aten::_to_copy", "aten::empty_strided")
+
+
+def claim_profiler_for_this_thread() -> None:
+    """Start and stop the profiler once on the calling thread, which must be the one that imported torch.
+
+    Kineto initializes its client on the first profile and only from the thread that registered it (the importing
+    one); the server's first profile is an allocation check on the thread that builds the engine, and it printed
+    "ERROR: External init callback must run in same thread as registerClient" into every server's log. Also quiets
+    the lines torch 2.13's kineto prints at each profile's start and stop (KINETO_LOG_LEVEL 6, unless the
+    environment sets it), read at that first profile. About a millisecond."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    with torch.autograd.profiler.profile(use_cpu=True, profile_memory=True):
+        pass
 
 
 def allocations(fn: Callable[[], object], steps: int = 1, single_thread: bool = True) -> list[Allocation]:

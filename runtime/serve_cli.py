@@ -23,7 +23,7 @@ from slabserve.runtime.access import Access
 from slabserve.runtime.edge import Limits
 from slabserve.runtime.engine import Engine, EngineConfig
 from slabserve.runtime.engine_loop import limit_malloc_arenas, on_a_passing_thread
-from slabserve.runtime.executor import PlanViolationError
+from slabserve.runtime.executor import PlanViolationError, claim_profiler_for_this_thread
 from slabserve.runtime.memcheck import InsufficientMemoryError, check_plan_fits, free_memory, parse_size
 from slabserve.runtime.ranks import DEFAULT_COLLECTIVE_TIMEOUT_S, GroupFailed, RankGroup, launch, rendezvous_env
 from slabserve.runtime.server import create_server
@@ -139,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if env is None:  # `slabserve serve DIR` of a tensor-parallel plan: start its ranks
             return launch(degree, argv, args.collective_timeout)
         ranks = _join(args, degree)
+    claim_profiler_for_this_thread()  # the engine's allocation checks profile on another thread
     engine = _engine_from_args(args, ranks)
     if ranks is not None:
         try:

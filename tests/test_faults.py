@@ -290,6 +290,9 @@ def test_sigkill_mid_stream_then_a_clean_restart_on_the_same_bundle(root, tmp_pa
     finally:
         second.stop()
     assert _tree(*watched) == before and _tree(scratch) == {}
+    # the profiler's start-up noise (kineto's client claimed from the wrong thread, its per-profile lines) stays out
+    noise = [line for line in second.text().splitlines() if line.startswith(("ERROR:", "USDT:", "STAGE:"))]
+    assert noise == [], noise
 
 
 # ---- refused at start -------------------------------------------------------------------------------------------
