@@ -140,3 +140,41 @@ def test_kv_dtype_is_honoured_on_cpu(tmp_path):
     while half.has_work():
         half.step()
     assert _all_free(half)
+
+
+def test_the_thread_that_builds_an_engine_keeps_no_openmp_team(tmp_path):
+    """Building (and warming up) an engine runs OpenMP regions on the building thread, which makes that thread a
+    team; kept, it would count against libgomp's spinning for the thread that steps the engine (the server's: with
+    more OpenMP threads than CPUs every wait sleeps, and a served step ran 1.7x slower). The engine frees it: a
+    second release right after finds no worker thread to end."""
+    import os
+    import threading
+    import time
+
+    import torch
+
+    from _models import make_served_tiny_model
+    from slabserve.runtime.engine import release_openmp_team
+
+    folder = str(make_served_tiny_model(tmp_path / "model"))
+    out: dict = {}
+
+    def tasks() -> set[str]:
+        return set(os.listdir("/proc/self/task"))
+
+    def build() -> None:
+        torch.set_num_threads(2)  # a team of one worker beside this thread, whatever the machine
+        Engine(EngineConfig(folder, (SlabClass(64, 2),), max_seqs=2, step_tokens=8, buckets=(1, 8)))
+        after = tasks()
+        out["freed"] = release_openmp_team()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and tasks() >= after:  # a freed worker would exit within milliseconds
+            time.sleep(0.02)
+        out["ended"] = after - tasks()
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    if not out["freed"]:
+        pytest.skip("the OpenMP runtime is not libgomp")
+    assert out["ended"] == set(), f"{len(out['ended'])} OpenMP worker(s) of the building thread were still there"
