@@ -298,14 +298,21 @@ def test_server_refuses_at_once_with_the_engine_thread_busy(tmp_path: Path, monk
     stub = pb_grpc.SlabServeStub(channel)
     assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).max_queue_delay_ms == 1
     held = threading.Event()
+
+    def measured_steps() -> None:  # 20 ms a step, whatever this machine measured (tiny steps: about 0.1 ms here,
+        engine.scheduler.step_times.seed({b: 0.02 for b in engine.scheduler.buckets})  # under the 1 ms bound)
+        server.loop._publish_admission()  # the view the edge reads: no step runs from here to the end
+
     try:
+        server.loop.call(measured_steps, timeout=10)
         server.loop.post(lambda: held.wait(60))  # the engine thread is busy: only the edge can answer
 
         def request(n: int) -> pb.GenerateRequest:  # n prompt tokens + 8: slab class 1 (2 slabs of 256)
             return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10, 10 + n))),
                                       stopping=pb.StoppingOptions(max_tokens=8, ignore_eos=True))
 
-        # 32-token steps: each 100-token prompt prefills in 4 and may wait 4 (its own time, over the 1 ms bound)
+        # 32-token steps of 20 ms: each 100-token prompt prefills in 4 and may wait 4 (its own time, over the 1 ms
+        # bound)
         admitted = [stub.Generate(request(100), timeout=60) for _ in range(2)]  # the second waits 4: admitted
         deadline = time.monotonic() + 10
         while len(server.loop._unsubmitted) < 2:
