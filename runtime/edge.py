@@ -33,6 +33,9 @@ log = logging.getLogger("slabserve.server")
 request_log = logging.getLogger("slabserve.requests")
 
 KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# OpenAI's newer name for the system message ("developer" messages replace system messages in its API and SDK
+# examples); chat templates know only "system", so it is rendered as one
+ROLE_ALIASES = {"developer": "system"}
 DEFAULT_MAX_TOKENS = 128
 SINK_POLL_S = 1.0  # a reader waiting on its sink checks this often whether the engine thread still runs
 
@@ -176,11 +179,14 @@ def check_messages(messages: list[dict[str, str]], limits: Limits) -> list[dict[
         raise InvalidRequestError("messages", "is empty; at least one message is needed")
     if len(messages) > limits.max_messages:
         raise InvalidRequestError("messages", f"{len(messages)} messages; at most {limits.max_messages}")
+    checked = []
     for i, m in enumerate(messages):
-        if m["role"] not in KNOWN_ROLES:
+        role = ROLE_ALIASES.get(m["role"], m["role"])
+        if role not in KNOWN_ROLES:
             raise InvalidRequestError(f"messages[{i}].role", f"{m['role'][:40]!r} is not one of "
-                                                             f"{', '.join(sorted(KNOWN_ROLES))}")
-    return messages
+                                                             f"{', '.join(sorted(KNOWN_ROLES | set(ROLE_ALIASES)))}")
+        checked.append(m if role == m["role"] else {**m, "role": role})
+    return checked
 
 
 def stopping_options(g: GenerationInput, limits: Limits, vocab_size: int, num_prompt: int,

@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slabserve.runtime.access import UNAUTHENTICATED_MESSAGE, Access
 from slabserve.runtime.edge import (SINK_POLL_S, STATUS_TABLE, Gateway, GenerationInput, Limits,
@@ -154,7 +155,10 @@ def _message(i: int, m: Any) -> dict[str, str]:
                                                           "{\"type\": \"text\", \"text\": ...}")
             texts.append(part["text"])
         content = "".join(texts)
-    if content is None:
+    if content is None:  # only an assistant turn may come without text (OpenAI's, beside its tool calls)
+        if role != "assistant":
+            raise _bad(f"messages[{i}].content", f"is required for a {role[:40]!r} message: a string or a list "
+                                                 "of text parts")
         content = ""
     if not isinstance(content, str):
         raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
@@ -291,12 +295,29 @@ def create_app(gateway: Gateway, access: Access, limits: Limits) -> FastAPI:
         return JSONResponse({"status": gateway.state if gateway.loop.failure is None else "failed"},
                             status_code=200 if serving else 503)
 
+    def model_card() -> dict[str, Any]:
+        engine = gateway.engine
+        return {"id": gateway.served_name, "object": "model", "created": 0, "owned_by": "slabserve",
+                "max_model_len": engine.scheduler.max_request_tokens, "plan_id": engine.plan_id}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        engine = gateway.engine
-        return JSONResponse({"object": "list", "data": [{
-            "id": gateway.served_name, "object": "model", "created": 0, "owned_by": "slabserve",
-            "max_model_len": engine.scheduler.max_request_tokens, "plan_id": engine.plan_id}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:  # the SDK's models.retrieve
+        if model != gateway.served_name:
+            return error_response(status_for(UnknownModelError(model, gateway.served_name)))
+        return JSONResponse(model_card())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(request: Request, exc: StarletteHTTPException) -> Response:
+        """A path or method this server lacks: OpenAI's error body too (its own words for it), not Starlette's."""
+        message = (f"Invalid URL ({request.method} {request.url.path})" if exc.status_code == 404 else
+                   f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else
+                   str(exc.detail))
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -32,7 +32,7 @@ from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 GENERATE = "/slabserve.v1.SlabServe/Generate"
 MAX_MESSAGE_BYTES = 1 << 20        # the server's default --max-message-bytes
 LARGEST_SLAB = 256                 # tokens (tests/_served_process.py TINY_CLASSES)
-KNOWN_ROLES = ("system", "user", "assistant", "tool")
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")  # developer: system's alias
 DOCUMENTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 # UNAVAILABLE (warming up, draining), DEADLINE_EXCEEDED and CANCELLED are documented too, but here, on a serving
 # server with a 60 s deadline and nobody cancelling, each would mean the server fell over or hung.

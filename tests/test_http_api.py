@@ -22,6 +22,7 @@ from slabserve.runtime.edge import STATUS_TABLE, Limits
 from slabserve.runtime.engine import Engine, EngineConfig
 from slabserve.runtime.server import Access, create_server
 from slabserve.runtime.slab_allocator import SlabClass
+from slabserve.runtime.scheduler import InvalidRequestError
 
 CLASSES = (SlabClass(64, 8), SlabClass(256, 4))
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Say hello in Spanish.",
@@ -162,6 +163,10 @@ def test_every_error_status(served):
     _error(_raw(server, "/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "x"}]}), 400,
            "messages[0].role")
     _error(_raw(server, "/v1/chat/completions", {"model": model}), 400, "messages")
+    _error(_raw(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user"}]}), 400, "messages[0].content")
+    base = f"http://127.0.0.1:{server.http.port}"
+    assert _error(httpx.get(f"{base}/v1/nope", timeout=60), 404, None)["message"] == "Invalid URL (GET /v1/nope)"
+    assert "GET" in _error(httpx.get(f"{base}/v1/chat/completions", timeout=60), 405, None)["message"]
     _error(_raw(server, "/v1/completions", {"model": model, "prompt": [1, 10 ** 9]}), 400, "prompt")
     _error(_raw(server, "/v1/chat/completions", b"{not json"), 400, "request")
     _error(_raw(server, "/v1/chat/completions", {**chat, "model": "gpt-4"}), 404, "model")
@@ -186,7 +191,34 @@ def test_models_and_health(served):
     server, _ = served
     models = _client(server).models.list().data
     assert [m.id for m in models] == [_model(server)]
+    assert _client(server).models.retrieve(_model(server)).id == _model(server)
+    with pytest.raises(openai.NotFoundError) as err:
+        _client(server).models.retrieve("gpt-4")
+    assert err.value.body["param"] == "model" and _model(server) in err.value.body["message"]
     assert httpx.get(f"http://127.0.0.1:{server.http.port}/health").status_code == 200
+
+
+def test_developer_messages_are_system_messages():
+    from slabserve.runtime.edge import check_messages
+
+    asked = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert check_messages(asked, Limits()) == [{"role": "system", "content": "Be brief."}, asked[1]]
+    assert asked[0]["role"] == "developer"  # the caller's list is left as it was
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.role.*'wizard'.*developer"):
+        check_messages([asked[1], {"role": "wizard", "content": "x"}], Limits())
+
+
+@pytest.mark.slow
+def test_a_developer_message_is_answered_as_a_system_message(served):
+    server, _ = served
+    answers = []
+    for role in ("system", "developer"):
+        done = _client(server).chat.completions.create(
+            model=_model(server), messages=[{"role": role, "content": "Answer in one word."},
+                                            {"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=8, temperature=0)
+        answers.append((done.choices[0].message.content, done.usage.prompt_tokens))
+    assert answers[0] == answers[1] and answers[0][0]
 
 
 def test_status_table_gives_both_codes():
