@@ -44,7 +44,7 @@ demo: $(STAMP)
 	trap 'kill -TERM $$pid 2>/dev/null || true; wait $$pid 2>/dev/null || true; echo "server stopped"' EXIT; \
 	trap 'exit 130' INT TERM; \
 	echo "server pid $$pid starting (log: build/demo-server.log); waiting up to $(DEMO_WAIT_S) s for health SERVING"; \
-	if ! $(PY) -m slabserve.runtime.client health --addr 127.0.0.1:$(DEMO_PORT) --wait $(DEMO_WAIT_S) --pid $$pid; then \
+	if ! $(VENV)/bin/slabserve health --addr 127.0.0.1:$(DEMO_PORT) --wait $(DEMO_WAIT_S) --pid $$pid; then \
 		echo "demo: the server did not become SERVING; last lines of build/demo-server.log:"; \
 		tail -n 20 build/demo-server.log; exit 1; fi; \
 	echo "> $(DEMO_QUESTION)"; \

@@ -6,6 +6,7 @@
     slabserve plan verify DIR --target NAME [--reserve SIZE]   fit against a named GPU or a memory size
     slabserve serve ...                            the gRPC server (runtime.server)
     slabserve generate ...                         the gRPC client (runtime.client)
+    slabserve health [--addr HOST:PORT] [--wait S]  exit 0 once the server's health is SERVING (runtime.client)
 
 Exit status: 0 done; 1 the plan does not fit, or regressed, or does not verify; 2 bad input (a spec, a model or a
 bundle that cannot be used; the message says what and where). Errors never print a traceback unless `--debug`.
@@ -20,11 +21,15 @@ from pathlib import Path
 from typing import Sequence
 
 EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
+# commands the runtime's modules parse themselves: name -> (module, its help line)
+RUNTIME_COMMANDS = {"serve": ("slabserve.runtime.server", "serve a plan bundle over gRPC (and HTTP with --http-port)"),
+                    "generate": ("slabserve.runtime.client", "stream an answer from a server (the gRPC client)"),
+                    "health": ("slabserve.runtime.client", "wait until a server's health is SERVING")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in ("serve", "generate"):
+    if args and args[0] in RUNTIME_COMMANDS:
         return _dispatch_runtime(args[0], args[1:])
     parser = _parser()
     ns = parser.parse_args(args)
@@ -43,7 +48,7 @@ def build_plan_main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slabserve", description="Ahead-of-time planned LLM serving.")
-    sub = parser.add_subparsers(dest="command", metavar="{build-plan,plan,serve,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{build-plan,plan,serve,generate,health}")
     build = sub.add_parser("build-plan", help="plan a serving spec into a bundle")
     _build_args(build)
     build.set_defaults(func=_cmd_build)
@@ -66,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--reserve", metavar="SIZE", help="memory kept for the framework (default: 1GiB on a GPU, "
                                                          "256MiB on cpu)")
     verify.set_defaults(func=_cmd_verify)
+    for name, (_, line) in RUNTIME_COMMANDS.items():  # listed here; main() hands them to their module first
+        sub.add_parser(name, help=f"{line} (`slabserve {name} --help`)", add_help=False)
     for p in (parser, inspect, diff, verify):
         p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -183,7 +190,7 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
 
 
 def _dispatch_runtime(command: str, argv: list[str]) -> int:
-    module_name = {"serve": "slabserve.runtime.server", "generate": "slabserve.runtime.client"}[command]
+    module_name = RUNTIME_COMMANDS[command][0]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -192,7 +199,8 @@ def _dispatch_runtime(command: str, argv: list[str]) -> int:
         print(f"error: `slabserve {command}` needs {module_name}, which this installation does not have yet",
               file=sys.stderr)
         return EXIT_INPUT
-    result = module.main(argv)
+    # the client parses `generate` and `health` itself: `slabserve generate --help` is generate's help
+    result = module.main(argv if module_name != "slabserve.runtime.client" else [command, *argv])
     return int(result or 0)
 
 

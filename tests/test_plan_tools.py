@@ -89,7 +89,22 @@ def test_serve_and_generate_dispatch(monkeypatch):
     assert main(["serve", "build/smollm2", "--port", "0"]) == 0
     assert main(["generate", "--prompt", "hi"]) == 0
     assert seen == {"slabserve.runtime.server": ["build/smollm2", "--port", "0"],
-                    "slabserve.runtime.client": ["--prompt", "hi"]}
+                    "slabserve.runtime.client": ["generate", "--prompt", "hi"]}  # the client parses both commands
+    seen.clear()
+    assert main(["health", "--wait", "5"]) == 0
+    assert seen == {"slabserve.runtime.client": ["health", "--wait", "5"]}
+
+
+@pytest.mark.parametrize("command", ["generate", "health"])
+def test_a_client_command_s_help_is_its_own(capsys, command):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith(f"usage: slabserve {command} ") and "--addr" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("build-plan", "serve", "generate", "health"))
 
 
 def test_missing_runtime_module_is_a_clear_error(monkeypatch, capsys):
