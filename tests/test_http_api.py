@@ -187,6 +187,66 @@ def test_every_error_status(served):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_a_client_that_hangs_up_is_cancelled_at_once(tmp_path, caplog, token):
+    """Streaming or not, a client that disconnects mid-answer has its request cancelled and its slab freed, seen
+    while no token is being produced (the engine held), so not only when the next token fails to send."""
+    import logging
+    import threading
+
+    engine = Engine(EngineConfig(str(smollm2_path()), CLASSES, max_seqs=4, step_tokens=64, queue_limit=4))
+    access = Access(token=token)
+    server = create_server(engine, "127.0.0.1", 0, http_port=0, access=access)
+    server.start()
+    server.warm_up()
+    channel = grpc.insecure_channel(server.address)
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    headers = dict(metadata)
+    held = threading.Event()
+    try:
+        caplog.set_level(logging.INFO, logger="slabserve.requests")
+        base = f"http://127.0.0.1:{server.http.port}/v1"
+        body = {"model": _model(server), "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        chat = {**body, "messages": [{"role": "user", "content": "Tell me a story."}], "stream": True}
+        gave_up = []
+
+        def whole() -> None:
+            try:
+                httpx.post(f"{base}/completions", json={**body, "prompt": "Once upon a time"}, headers=headers,
+                           timeout=1.0)
+            except httpx.ReadTimeout:
+                gave_up.append(True)
+
+        with httpx.stream("POST", f"{base}/chat/completions", json=chat, headers=headers, timeout=60) as response:
+            assert response.status_code == 200
+            caller = threading.Thread(target=whole)
+            caller.start()
+            deadline = time.monotonic() + 10
+            while server.loop.num_streams() < 2 and time.monotonic() < deadline:  # both submitted
+                time.sleep(0.002)
+            server.loop.post(lambda: held.wait(60))  # no token comes from here on (200 take over a second)
+        caller.join()
+        assert gave_up == [True]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            codes = [json.loads(r.getMessage())["code"] for r in caplog.records if r.name == "slabserve.requests"]
+            if len(codes) == 2:
+                break
+            time.sleep(0.05)
+        assert codes == ["CANCELLED", "CANCELLED"], "both logged while the engine is held"
+        held.set()
+        load = pb_grpc.SlabServeStub(channel).GetLoad(pb.GetLoadRequest(), metadata=metadata, timeout=10)
+        while load.running or load.queued:
+            time.sleep(0.05)
+            load = pb_grpc.SlabServeStub(channel).GetLoad(pb.GetLoadRequest(), metadata=metadata, timeout=10)
+        assert [c.free_slabs for c in load.classes] == [c.total_slabs for c in load.classes]
+    finally:
+        held.set()
+        channel.close()
+        server.stop()
+
+
+@pytest.mark.slow
 def test_models_and_health(served):
     server, _ = served
     models = _client(server).models.list().data
