@@ -93,7 +93,7 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
         config.num_layers, config.num_kv_heads, config.head_dim, DTYPES[spec.kv_dtype])
     while True:
         slabs = plan_slabs_for(spec, config, weights.arena_bytes, activation_bytes,
-                               staging.total_bytes + prefix_bytes)
+                               staging.total_bytes + prefix_bytes, weight_format)
         kv = kv_arena(config, spec.kv_dtype, slabs, prefixes)
         rope_positions = slabs.max_request_tokens
         traced = trace_buckets(config, dtype, spec.buckets, spec.max_seqs, kv_rows=kv.rows,
@@ -113,7 +113,7 @@ def build_plan(spec: Spec, base_dir: str | Path | None = None) -> Built:
     weights = weight_arena(config, spec.dtype, rope_positions, gemm, blocks)
     totals = _totals(spec, weights.arena_bytes, kv.arena_bytes, activations.arena_bytes, staging.total_bytes)
     if not totals.fits:
-        raise fit.FitError(fit.report(spec, totals, slabs))
+        raise fit.FitError(fit.report(spec, totals, slabs, weight_format))
     plan = P.Plan(
         schema=P.SCHEMA, version=P.SCHEMA_VERSION, name=spec.name, servable=spec.servable,
         spec=spec_to_dict(spec), fingerprints=fingerprints(spec, whole, model.weights_hash),
@@ -363,7 +363,8 @@ SAMPLER_ROW_BYTES = 4 + 4 + 8 + 8 + 8 + 8 + 4 * 4 + 8 + 1
 # 5) KV
 
 
-def plan_slabs_for(spec: Spec, config: ModelConfig, weights: int, activations: int, staging: int) -> SlabPlan:
+def plan_slabs_for(spec: Spec, config: ModelConfig, weights: int, activations: int, staging: int,
+                   weight_format: str = "float") -> SlabPlan:
     """Slab classes in what the target has left after the other arenas (or in kv.budget when the spec sets it)."""
     bytes_per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
                                          DTYPES[spec.kv_dtype])
@@ -373,7 +374,7 @@ def plan_slabs_for(spec: Spec, config: ModelConfig, weights: int, activations: i
                        kv_bytes_per_token=bytes_per_token, default_budget_bytes=max(left, 0))
     except SlabPlanError as err:
         raise fit.FitError(fit.report_without_kv(spec, weights, activations, staging, bytes_per_token,
-                                                 str(err))) from None
+                                                 str(err), weight_format)) from None
 
 
 def kv_arena(config: ModelConfig, kv_dtype: str, slabs: SlabPlan,

@@ -33,28 +33,29 @@ class Usage:
     dtype: str
     kv_dtype: str
     device: str
+    weight_format: str = "float"  # the weight arena's format: float (dense, in `dtype`), gguf or q8_0 (blocks)
 
     @property
     def excess(self) -> int:
         return self.weights + self.kv + self.activations + self.staging + self.reserve - self.memory
 
 
-def report(spec: Spec, totals: P.Totals, slabs: SlabPlan) -> str:
+def report(spec: Spec, totals: P.Totals, slabs: SlabPlan, weight_format: str = "float") -> str:
     usage = Usage(totals.weights_bytes, totals.kv_bytes, totals.activations_bytes, totals.staging_bytes,
                   totals.reserve_bytes, totals.target_bytes, tuple((c.tokens, c.count) for c in slabs.classes),
-                  slabs.kv_bytes_per_token, spec.dtype, spec.kv_dtype, spec.target.device)
+                  slabs.kv_bytes_per_token, spec.dtype, spec.kv_dtype, spec.target.device, weight_format)
     head = (f"{spec.source}: the plan does not fit {_target_name(spec)}: it needs {format_bytes(usage.excess)} "
             f"({usage.excess} bytes) more than the target has")
     return "\n".join([head, *consumers(usage), *suggestions(usage, kv_budget_set=spec.kv.budget_bytes is not None)])
 
 
 def report_without_kv(spec: Spec, weights: int, activations: int, staging: int, kv_bytes_per_token: int,
-                      reason: str) -> str:
+                      reason: str, weight_format: str = "float") -> str:
     """When not even the KV slabs can be planned in what is left (or listed slabs do not fit their budget)."""
     listed = sum(c.tokens * c.count for c in spec.kv.classes) * kv_bytes_per_token
     usage = Usage(weights, listed, activations, staging, spec.target.reserve_bytes, spec.target.memory_bytes,
                   tuple((c.tokens, c.count) for c in spec.kv.classes), kv_bytes_per_token, spec.dtype,
-                  spec.kv_dtype, spec.target.device)
+                  spec.kv_dtype, spec.target.device, weight_format)
     left = spec.target.usable_bytes - weights - activations - staging
     if spec.kv.budget_bytes is not None and spec.kv.budget_bytes < listed:
         head = f"{spec.source}: the listed KV slabs do not fit kv.budget: {reason}"
@@ -93,9 +94,11 @@ def suggestions(u: Usage, *, kv_budget_set: bool, need: int | None = None) -> li
             fixes.append(f"kv: {hint}" + (" (lower kv.budget to match)" if kv_budget_set else ""))
     if kv_budget_set and u.kv:
         fixes.append(f"kv.budget: lower it by {format_bytes(need)} (the slab planner re-plans under it)")
-    if u.dtype == "float32":
+    if u.dtype == "float32" and u.weight_format == "float":
         fixes.append(f"dtype: bfloat16 halves the weights and activations: frees about "
                      f"{format_bytes((u.weights + u.activations) // 2)}")
+    # with the weights in blocks (gguf, q8_0) bfloat16 is no fix: the blocks are multiplied by the float32 CPU
+    # kernels only, and `weight_format: auto` would dequantize them to bfloat16, 2 bytes a parameter
     if u.kv_dtype == "float32" and u.kv:
         fixes.append(f"kv_dtype: bfloat16 halves the KV arena: frees {format_bytes(u.kv // 2)}")
     if u.activations > need // 4:
@@ -144,7 +147,7 @@ def check_plan_against(plan: P.Plan, memory_bytes: int, reserve_bytes: int, devi
     t = plan.totals
     u = Usage(t.weights_bytes, t.kv_bytes, t.activations_bytes, t.staging_bytes, reserve_bytes, memory_bytes,
               tuple((c.tokens, c.count) for c in plan.kv.classes), plan.kv.bytes_per_token, plan.engine.dtype,
-              plan.engine.kv_dtype, device)
+              plan.engine.kv_dtype, device, plan.engine.weight_format)
     lines = []
     if device != plan.engine.device:
         lines.append(f"note: the plan was built for {plan.engine.device}; its activation layout and graphs are "

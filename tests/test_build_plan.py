@@ -197,6 +197,21 @@ def test_too_small_budget_lists_consumers_and_fixes(tmp_path, capsys):
     assert "Traceback" not in err and not (tmp_path / "b" / PLAN_FILE).exists()
 
 
+@pytest.mark.parametrize("weight_format", ["float", "gguf", "q8_0"])
+def test_bfloat16_is_suggested_only_for_dense_weights(weight_format):
+    """GGUF or Q8_0 blocks are multiplied by the float32 CPU kernels only: with `dtype: bfloat16` they would be
+    dequantized (2 bytes a parameter, more than the blocks), so that is no fix for a plan that keeps them."""
+    from slabserve.compiler.fit import Usage, suggestions
+
+    usage = Usage(weights=100 << 20, kv=1 << 30, activations=80 << 20, staging=1 << 20, reserve=64 << 20,
+                  memory=1 << 30, kv_classes=((1024, 4),), kv_bytes_per_token=(1 << 30) // 4096, dtype="float32",
+                  kv_dtype="float32", device="cpu", weight_format=weight_format)
+    fixes = "\n".join(suggestions(usage, kv_budget_set=False))
+    assert "kv_dtype: bfloat16 halves the KV arena: frees 512 MiB" in fixes
+    assert ("    - dtype: bfloat16 halves the weights and activations: frees about 90 MiB" in fixes) == \
+        (weight_format == "float"), fixes
+
+
 def test_workload_that_leaves_no_kv_room(tmp_path, capsys):
     data = tiny_spec_dict()
     data["target"] = {"device": "cpu", "memory": "600KiB", "reserve": "64KiB"}
