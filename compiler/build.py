@@ -364,7 +364,7 @@ SAMPLER_ROW_BYTES = 4 + 4 + 8 + 8 + 8 + 8 + 4 * 4 + 8 + 1
 
 
 def plan_slabs_for(spec: Spec, config: ModelConfig, weights: int, activations: int, staging: int,
-                   weight_format: str = "float") -> SlabPlan:
+                   weight_format: str) -> SlabPlan:
     """Slab classes in what the target has left after the other arenas (or in kv.budget when the spec sets it)."""
     bytes_per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
                                          DTYPES[spec.kv_dtype])

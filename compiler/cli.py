@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Sequence
 
 EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
-# commands the runtime's modules parse themselves: name -> (module, its help line)
-RUNTIME_COMMANDS = {"serve": ("slabserve.runtime.server", "serve a plan bundle over gRPC (and HTTP with --http-port)"),
-                    "generate": ("slabserve.runtime.client", "stream an answer from a server (the gRPC client)"),
-                    "health": ("slabserve.runtime.client", "wait until a server's health is SERVING")}
+# commands the runtime's modules parse themselves: name -> (module, whether its parser takes the command's name
+# first (the client has both generate and health), its help line)
+RUNTIME_COMMANDS = {
+    "serve": ("slabserve.runtime.server", False, "serve a plan bundle over gRPC (and HTTP with --http-port)"),
+    "generate": ("slabserve.runtime.client", True, "stream an answer from a server (the gRPC client)"),
+    "health": ("slabserve.runtime.client", True, "wait until a server's health is SERVING")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--reserve", metavar="SIZE", help="memory kept for the framework (default: 1GiB on a GPU, "
                                                          "256MiB on cpu)")
     verify.set_defaults(func=_cmd_verify)
-    for name, (_, line) in RUNTIME_COMMANDS.items():  # listed here; main() hands them to their module first
+    for name, (_, _, line) in RUNTIME_COMMANDS.items():  # listed here; main() hands them to their module first
         sub.add_parser(name, help=f"{line} (`slabserve {name} --help`)", add_help=False)
     for p in (parser, inspect, diff, verify):
         p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -190,7 +192,7 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
 
 
 def _dispatch_runtime(command: str, argv: list[str]) -> int:
-    module_name = RUNTIME_COMMANDS[command][0]
+    module_name, named, _ = RUNTIME_COMMANDS[command]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -199,8 +201,7 @@ def _dispatch_runtime(command: str, argv: list[str]) -> int:
         print(f"error: `slabserve {command}` needs {module_name}, which this installation does not have yet",
               file=sys.stderr)
         return EXIT_INPUT
-    # the client parses `generate` and `health` itself: `slabserve generate --help` is generate's help
-    result = module.main(argv if module_name != "slabserve.runtime.client" else [command, *argv])
+    result = module.main([command, *argv] if named else argv)  # `slabserve generate --help`: generate's help
     return int(result or 0)
 
 

@@ -40,7 +40,7 @@ class Usage:
         return self.weights + self.kv + self.activations + self.staging + self.reserve - self.memory
 
 
-def report(spec: Spec, totals: P.Totals, slabs: SlabPlan, weight_format: str = "float") -> str:
+def report(spec: Spec, totals: P.Totals, slabs: SlabPlan, weight_format: str) -> str:
     usage = Usage(totals.weights_bytes, totals.kv_bytes, totals.activations_bytes, totals.staging_bytes,
                   totals.reserve_bytes, totals.target_bytes, tuple((c.tokens, c.count) for c in slabs.classes),
                   slabs.kv_bytes_per_token, spec.dtype, spec.kv_dtype, spec.target.device, weight_format)
@@ -50,7 +50,7 @@ def report(spec: Spec, totals: P.Totals, slabs: SlabPlan, weight_format: str = "
 
 
 def report_without_kv(spec: Spec, weights: int, activations: int, staging: int, kv_bytes_per_token: int,
-                      reason: str, weight_format: str = "float") -> str:
+                      reason: str, weight_format: str) -> str:
     """When not even the KV slabs can be planned in what is left (or listed slabs do not fit their budget)."""
     listed = sum(c.tokens * c.count for c in spec.kv.classes) * kv_bytes_per_token
     usage = Usage(weights, listed, activations, staging, spec.target.reserve_bytes, spec.target.memory_bytes,

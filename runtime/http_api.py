@@ -340,7 +340,7 @@ def create_app(gateway: Gateway, access: Access, limits: Limits) -> FastAPI:
                    f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else
                    str(exc.detail))
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -418,9 +418,8 @@ def create_app(gateway: Gateway, access: Access, limits: Limits) -> FastAPI:
             while True:
                 next_event = asyncio.ensure_future(events.__anext__())
                 await asyncio.wait([next_event, hung_up], return_when=asyncio.FIRST_COMPLETED)
-                if not next_event.done():
+                if not next_event.done():  # the client hung up (the slab is freed below)
                     next_event.cancel()
-                    stream.abort()
                     stream.finish("CANCELLED")
                     return Response(status_code=499)
                 try:
