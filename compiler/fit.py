@@ -33,7 +33,7 @@ class Usage:
     dtype: str
     kv_dtype: str
     device: str
-    weight_format: str = "float"  # the weight arena's format: float (dense, in `dtype`), gguf or q8_0 (blocks)
+    weight_format: str  # the weight arena's format: float (dense, in `dtype`), gguf or q8_0 (blocks)
 
     @property
     def excess(self) -> int:

@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                                         gemm=args.gemm, weight_format=fmt), source) for fmt in formats}
     reference = None if args.skip_transformers else hf_model(source)
     bandwidth, read = copy_bandwidth(), read_bandwidth()
-    report: dict = {"bandwidth_bytes_s": bandwidth, "read_bandwidth_bytes_s": read, "formats": {}}
+    report: dict = {"bandwidth_bytes_s": bandwidth, "read_bandwidth_bytes_s": read, "repeats": args.repeats,
+                    "formats": {}}
     for fmt, engine in engines.items():  # side by side: every format and transformers at one batch, in turn
         weight_bytes = decode_weight_bytes(engine)
         report["formats"][fmt] = {"gemm": engine.gemm, "weight_bytes": weight_bytes,
@@ -246,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     theirs = {}
     if llama is not None:
         report["llama_cpp"] = {"binary": str(llama), "threads": torch.get_num_threads(), "rows": []}
-    report["repeats"] = args.repeats
     for batch in args.batches:
         hf_runs, llama_runs, our_runs = [], [], {fmt: [] for fmt in engines}
         for _ in range(args.repeats):  # rounds: every side once in each, so all of them meet the same minutes
