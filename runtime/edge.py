@@ -370,9 +370,13 @@ class Gateway:
             record.update(finish_reason=reason, completion_tokens=event.completion_tokens,
                           cached_tokens=event.cached_tokens)
             if event.timings is not None:
-                record.update(queue_ms=round(event.timings.queue_s * 1000, 1),
-                              ttft_ms=round(event.timings.ttft_s * 1000, 1),
-                              tpot_ms=round(event.timings.tpot_s * 1000, 2))
+                t = event.timings
+                record.update(queue_ms=round(t.queue_s * 1000, 1), ttft_ms=round(t.ttft_s * 1000, 1),
+                              tpot_ms=round(t.tpot_s * 1000, 2))
+                if t.projected_s is not None:  # admission by latency's view of its first token
+                    record["projected_ttft_ms"] = round(t.projected_s * 1000, 1)
+                if t.promised_s is not None:
+                    record["promised_ttft_ms"] = round(t.promised_s * 1000, 1)
         if message is not None:
             record["error"] = message[:300]
         request_log.info(json.dumps(record))

@@ -100,6 +100,8 @@ class Timings:
     queue_s: float            # arrival -> first step that ran the request
     ttft_s: float             # arrival -> first output token
     tpot_s: float             # mean time per output token after the first
+    promised_s: float | None = None   # arrival -> the first-token deadline admission promised (None: no promise)
+    projected_s: float | None = None  # arrival -> the first token admission projected (None: not projected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,8 @@ class _Live:
     started: float | None = None
     first_token: float | None = None
     cached: int = 0         # prompt tokens its slab already held when its prefill began
+    deadline: float = math.inf   # admission's promise and projection of its first token (time.monotonic())
+    projected: float = math.inf
 
 
 WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (each run is a whole step)
@@ -326,10 +330,12 @@ class Engine:
         return tuple(ids)
 
     def submit(self, prompt, sampling: SamplingParams = SamplingParams(), stopping: StoppingOptions = StoppingOptions(),
-               request_id: str | None = None, *, deadline: float | None = None) -> str:
+               request_id: str | None = None, *, deadline: float | None = None,
+               projected: float | None = None) -> str:
         """Queue a request; raises the scheduler's errors (invalid, out of range, queue full, delay bound).
         Returns its id. `deadline`: its first-token deadline (time.monotonic()) when the caller has already run
-        admission by latency against a `Scheduler.admission_view` (the server does, on its gRPC threads)."""
+        admission by latency against a `Scheduler.admission_view` (the server does, on its gRPC threads), and
+        `projected` the first token that admission projected."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         try:
             sampling.validate(self.model_config.vocab_size)
@@ -339,11 +345,13 @@ class Engine:
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         now = time.monotonic()
         self.scheduler.submit(Request(request_id, ids, stopping.max_tokens, eos, frozenset(stopping.stop_token_ids),
-                                      stopping.ignore_eos, now, deadline))
+                                      stopping.ignore_eos, now, deadline, projected))
         seed = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
+        promise, expected = self.scheduler.first_token_promise(request_id)
         self._live[request_id] = _Live(sampling, make_generator(seed),
                                        IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True),
-                                       tuple(s for s in stopping.stop if s), len(ids), now)
+                                       tuple(s for s in stopping.stop if s), len(ids), now,
+                                       deadline=promise, projected=expected)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -675,7 +683,9 @@ class Engine:
         now = time.monotonic()
         first = live.first_token or now
         timings = Timings(queue_s=(live.started or now) - live.arrival, ttft_s=first - live.arrival,
-                          tpot_s=(now - first) / max(1, live.num_tokens - 1))
+                          tpot_s=(now - first) / max(1, live.num_tokens - 1),
+                          promised_s=live.deadline - live.arrival if live.deadline < math.inf else None,
+                          projected_s=live.projected - live.arrival if live.projected < math.inf else None)
         return GenerationEvent(request_id, token_ids, live.text[live.sent :], reason, live.prompt_tokens,
                                live.num_tokens, timings, live.cached if live.started is not None else 0)
 

@@ -105,19 +105,20 @@ class EngineLoop:
         full = self._full_queues.get(home) if home is not None else None
         if full is not None:
             raise copy.copy(full)
-        deadline = None
+        deadline = projected = None
         if home is not None and prompt_ids:
             cached = self.engine.scheduler.expected_cached(prompt_ids)
             prefill = len(prompt_ids) - cached  # what reuse leaves
             with self._admission_lock:
                 if self._admission is not None:  # or DelayBoundError
-                    deadline = self._admission.admit(prefill, home, time.monotonic(), first_token_by, done=cached)
+                    admitted = self._admission.decide(prefill, home, time.monotonic(), first_token_by, done=cached)
+                    deadline, projected = admitted.promise, admitted.projected
                     self._unsubmitted[engine_id] = (prefill, deadline, cached)
         sink = sink if sink is not None else queue.SimpleQueue()
 
         def submit() -> None:
             try:
-                self.engine.submit(prompt_ids, sampling, stopping, engine_id, deadline=deadline)
+                self.engine.submit(prompt_ids, sampling, stopping, engine_id, deadline=deadline, projected=projected)
             finally:
                 with self._admission_lock:
                     self._unsubmitted.pop(engine_id, None)
@@ -196,7 +197,8 @@ class EngineLoop:
                 sink = self._sinks.pop(event.request_id, None)
                 if self.metrics is not None and event.timings is not None:
                     t = event.timings
-                    self.metrics.observe_finished(t.queue_s, t.ttft_s, t.tpot_s, event.completion_tokens)
+                    self.metrics.observe_finished(t.queue_s, t.ttft_s, t.tpot_s, event.completion_tokens,
+                                                  t.promised_s, t.projected_s)
             if sink is None:
                 continue
             if event.finished is not None and (event.token_ids or event.text):  # tokens in a token event only

@@ -11,6 +11,9 @@ and returns a function that stops it. Names and labels:
     slabserve_time_to_first_token_seconds          histogram, arrival -> first token
     slabserve_time_per_output_token_seconds        histogram, mean per token after the first, per request
     slabserve_queue_seconds                        histogram, arrival -> first step
+    slabserve_first_token_projection_ratio         histogram, time to first token over admission's projection of it
+    slabserve_first_token_promises_total           first tokens of requests admission promised one by a deadline
+    slabserve_first_token_promises_missed_total    those that came after it
     slabserve_generated_tokens_total               tokens sampled for requests
     slabserve_requests_total{code, finish_reason}  answered Generate calls by status code and finish reason
     slabserve_prefix_hit_tokens_total              prompt tokens whose KV was already held (retained prefixes)
@@ -25,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from slabserve.runtime.slab_allocator import SlabClass
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RATIO_BUCKETS = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -48,6 +52,13 @@ class Metrics:
                               registry=r)
         self.queue_time = Histogram("slabserve_queue_seconds", "Arrival to the first engine step of the request",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.projection = Histogram("slabserve_first_token_projection_ratio",
+                                    "Time to first token over the one admission by latency projected",
+                                    buckets=_RATIO_BUCKETS, registry=r)
+        self.promises = Counter("slabserve_first_token_promises",
+                                "First tokens of requests that admission by latency promised a deadline", registry=r)
+        self.promises_missed = Counter("slabserve_first_token_promises_missed",
+                                       "First tokens that came after the deadline admission promised", registry=r)
         self.tokens = Counter("slabserve_generated_tokens", "Tokens sampled for requests", registry=r)
         self.requests = Counter("slabserve_requests", "Answered Generate calls", ["code", "finish_reason"],
                                 registry=r)
@@ -82,10 +93,17 @@ class Metrics:
     def observe_tokens(self, count: int) -> None:
         self.tokens.inc(count)
 
-    def observe_finished(self, queue_s: float, ttft_s: float, tpot_s: float, completion_tokens: int) -> None:
+    def observe_finished(self, queue_s: float, ttft_s: float, tpot_s: float, completion_tokens: int,
+                         promised_s: float | None = None, projected_s: float | None = None) -> None:
         self.queue_time.observe(queue_s)
         if completion_tokens:
             self.ttft.observe(ttft_s)
+            if projected_s is not None and projected_s > 0:
+                self.projection.observe(ttft_s / projected_s)
+            if promised_s is not None:
+                self.promises.inc()
+                if ttft_s > promised_s:
+                    self.promises_missed.inc()
         if completion_tokens > 1:
             self.tpot.observe(tpot_s)
 

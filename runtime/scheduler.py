@@ -50,7 +50,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from slabserve.runtime.admission import AdmissionView, OverloadedError, Pending, StepTimes, prefill_pairs
+from slabserve.runtime.admission import (LOAD_WINDOW_S, AdmissionView, Arrival, OverloadedError, Pending, StepTimes,
+                                         prefill_pairs)
 from slabserve.runtime.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixIndex
 from slabserve.runtime.slab_allocator import DECLARED, Slab, SlabAllocator, SlabClass
 
@@ -117,6 +118,7 @@ class Request:
     ignore_eos: bool = False
     arrival_time: float = 0.0                    # clock() when the server received it; for timings only
     deadline: float | None = None                # first-token deadline when the caller already ran admission
+    projected: float | None = None               # and when that admission projected its first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,7 @@ class _Seq:
     """Mutable state of one request, from submit to its end. Lives in exactly one of: a queue, prefilling, decoding."""
 
     __slots__ = ("request", "seq_no", "home", "slab", "num_prompt", "num_computed", "num_output", "last_token",
-                 "done", "grant", "deadline", "cached", "copy")
+                 "done", "grant", "deadline", "projected", "cached", "copy")
 
     def __init__(self, request: Request, seq_no: int, home: int):
         self.request = request
@@ -181,6 +183,7 @@ class _Seq:
         self.done = False
         self.grant = 0                  # prefill tokens granted in the step being packed
         self.deadline = math.inf        # clock() by which its first token is due (admission by latency)
+        self.projected = math.inf       # clock() when admission expected its first token (inf: not projected)
         self.cached = 0                 # prompt tokens whose KV it found in its slab (or had copied in)
         self.copy: RowCopy | None = None  # its copy, until the step that runs it is scheduled
 
@@ -230,6 +233,7 @@ class Scheduler:
         self._copies: list[_Seq] = []     # placed with a copy that no scheduled step has run yet
         self.prefix_hit_tokens = 0       # prompt tokens served from retained KV, over every placed request
         self.prefix_miss_tokens = 0      # prompt tokens placed requests had to prefill
+        self._arrivals: deque[Arrival] = deque()  # admitted prefill work of the last LOAD_WINDOW_S: the load to come
 
     @property
     def max_request_tokens(self) -> int:
@@ -262,9 +266,12 @@ class Scheduler:
         seq.cached = self.expected_cached(request.prompt_ids)  # for admission by latency until it is placed
         if request.deadline is not None:
             seq.deadline = request.deadline
+            seq.projected = request.projected if request.projected is not None else math.inf
         elif self.max_queue_delay_s is not None:
-            seq.deadline = self.admission_view().admit(seq.num_prompt - seq.cached, home, self._clock(),
-                                                       done=seq.cached)  # or DelayBoundError
+            admitted = self.admission_view().decide(seq.num_prompt - seq.cached, home, self._clock(),
+                                                    done=seq.cached)  # or DelayBoundError
+            seq.deadline, seq.projected = admitted.promise, admitted.projected
+        self._arrivals.append(Arrival(self._clock(), seq.num_prompt - seq.cached, seq.cached))
         self._next_seq_no += 1
         self._live[request.request_id] = seq
         if target is None:
@@ -272,6 +279,12 @@ class Scheduler:
             self._num_queued += 1
         else:
             self._start(seq, target)
+
+    def first_token_promise(self, request_id: str) -> tuple[float, float]:
+        """(deadline, projected first token) that admission by latency gave a queued or running request
+        (clock() times; math.inf: none)."""
+        seq = self._live[request_id]
+        return seq.deadline, seq.projected
 
     def abort(self, request_id: str) -> bool:
         """Cancel a queued or running request; its slab is free at once. False if it is not queued or running."""
@@ -382,10 +395,13 @@ class Scheduler:
                     for q in self._queues for s in q.values()]
         pending += [Pending(n, self._next_seq_no + i, d, c) for i, (n, d, c) in enumerate(unsubmitted)]
         oldest = next(iter(self._prefilling.values())).seq_no if self._prefilling else None
+        since = self._clock() - LOAD_WINDOW_S
+        while self._arrivals and self._arrivals[0].at < since:
+            self._arrivals.popleft()
         return AdmissionView(self.max_queue_delay_s, pending, oldest, len(self._decoding), self.step_tokens,
                              self.buckets, self.step_times.snapshot(), self.oldest_prefill_share,
                              [self._slab_wait_s(h) for h in range(len(self._queues))],
-                             self._next_seq_no + len(unsubmitted), self.step_times.pair_seconds)
+                             self._next_seq_no + len(unsubmitted), self.step_times.pair_seconds, self._arrivals)
 
     def expected_cached(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a placement will most likely find in a slab (0 with reuse off). Safe to call from other

@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from slabserve.runtime.admission import (AdmissionView, DelayBoundError, OverloadedError, Pending, StepTimes,
-                                         prefill_pairs)
+from slabserve.runtime.admission import (LOAD_WINDOW_S, MAX_LOAD, AdmissionView, Arrival, DelayBoundError,
+                                         OverloadedError, Pending, StepTimes, prefill_pairs)
 from slabserve.runtime.scheduler import QueueFullError, Request, Scheduler
 from slabserve.runtime.slab_allocator import SlabClass
 
@@ -18,10 +18,16 @@ BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def _view(pending=(), *, bound=1.0, seconds=None, decoding=0, oldest=None, slab_wait=(0.0, 0.0), share=0.25,
-          pair_seconds=0.0):
+          pair_seconds=0.0, arrivals=()):
     seconds = {b: 0.125 for b in BUCKETS} if seconds is None else seconds  # 1/8 s a step, whatever its size
     return AdmissionView(bound, pending, oldest, decoding, 32, BUCKETS, seconds, share, slab_wait,
-                         next_seq_no=100, pair_seconds=pair_seconds)
+                         next_seq_no=100, pair_seconds=pair_seconds, arrivals=arrivals)
+
+
+def _busy(tokens: int, seconds_of_work: float, now: float = 0.0) -> list[Arrival]:
+    """Prompts of `tokens` tokens admitted over the last minute, `seconds_of_work` of prefill at 1/256 s a token."""
+    n = round(seconds_of_work * 256 / tokens)
+    return [Arrival(now - LOAD_WINDOW_S * (i + 0.5) / n, tokens) for i in range(n)]
 
 
 def test_seconds_for_counts_full_steps_then_the_bucket_of_the_rest():
@@ -64,6 +70,44 @@ def test_the_work_ahead_counts_its_attention():
     _view(ahead).admit(256, 0, now=0.0)
     with pytest.raises(DelayBoundError, match="its own first token"):
         _view(ahead, pair_seconds=1e-6).admit(256, 0, now=0.0)
+
+
+def test_the_load_to_come_stretches_a_long_prompt_and_its_promise():
+    """Shorter prompts that took half the machine over the last minute will overtake a 3,200-token prompt at the
+    same rate while it waits and prefills: its 64 + 100 steps are projected at twice their idle length, and its
+    own prefill, promised at the current load, is 25 s, so the promise is 50 s. An idle server projects 20.5 s
+    and promises 25 s; prompts longer than it, or admitted before the window, do not count."""
+    ahead = [Pending(32 * 64, seq_no=1, deadline=1e9)]
+    idle = _view(ahead).decide(3200, 1, now=0.0)
+    assert (idle.promise, idle.projected) == (pytest.approx(25.0), pytest.approx(20.5))
+    busy = _busy(256, 30.0)
+    assert _view(ahead, arrivals=busy).load_below(3200, 0.0) == pytest.approx(0.5)
+    loaded = _view(ahead, arrivals=busy).decide(3200, 1, now=0.0)
+    assert (loaded.promise, loaded.projected) == (pytest.approx(50.0), pytest.approx(41.0))
+    others = _busy(5000, 30.0) + [Arrival(-LOAD_WINDOW_S - 1.0, 256)] * 100
+    assert _view(ahead, arrivals=others).decide(3200, 1, now=0.0) == idle
+
+
+def test_a_short_prompt_is_stretched_only_by_shorter_arrivals():
+    v = _view(arrivals=_busy(256, 30.0))
+    assert v.stretch(32, 0.0) == 1.0 and v.stretch(256, 0.0) == 1.0 and v.stretch(257, 0.0) == pytest.approx(2.0)
+    assert v.admit(32, 0, now=0.0) == pytest.approx(1.0 + 0.125)
+
+
+def test_the_stretch_is_bounded_by_the_oldest_sequences_share():
+    assert _view(arrivals=_busy(64, 600.0)).stretch(1000, 0.0) == pytest.approx(1 / (1 - MAX_LOAD))
+
+
+def test_a_busy_server_refuses_what_an_idle_one_admits():
+    """A 128-token prompt (0.5 s alone) behind 6 steps of shorter work (0.75 s), bound 1 s: idle, its first token is
+    projected at 1.25 s against a promise of 1.5 s; with 64-token prompts taking half the machine, 2.5 s against
+    2.0 s, and it is refused; its projection is returned with the promise when admitted."""
+    ahead = [Pending(32, seq_no=i, deadline=1e9) for i in range(6)]
+    admitted = _view(ahead).decide(128, 0, now=0.0)
+    assert admitted.projected == pytest.approx(1.25) and admitted.promise == pytest.approx(1.5)
+    with pytest.raises(DelayBoundError, match="its own first token") as err:
+        _view(ahead, arrivals=_busy(64, 30.0)).decide(128, 0, now=0.0)
+    assert err.value.late_ms == 500
 
 
 def test_unmeasured_view_admits_and_records():
@@ -251,6 +295,23 @@ def test_scheduler_observes_what_its_prefill_chunks_attend_over():
     assert s.admission_view().seconds_for(31, pairs=1000) == pytest.approx(0.25 + 0.1)  # one step beside a decode
 
 
+def test_scheduler_counts_the_load_of_the_last_minute():
+    """Every admitted request's prefill work is kept for LOAD_WINDOW_S: the views made from it project longer
+    prompts at that load, until it ages out; the promise and projection of each request are kept with it."""
+    clock = _Clock()
+    s = _sched(clock)
+    s.step_times.seed({32: 0.125})
+    s.submit(_req("short", 64))
+    assert s.admission_view().load_below(100, clock.now) == pytest.approx(64 / 256 / LOAD_WINDOW_S)
+    assert s.admission_view().load_below(64, clock.now) == 0.0
+    deadline, projected = s.first_token_promise("short")
+    assert deadline == pytest.approx(1.0 + 0.25) and projected == pytest.approx(0.25)
+    clock.now += LOAD_WINDOW_S + 1
+    assert s.admission_view().load_below(100, clock.now) == 0.0
+    s.submit(_req("given", 64, deadline=5.0, projected=3.0))  # the server's gRPC thread decided
+    assert s.first_token_promise("given") == (5.0, 3.0)
+
+
 def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
     clock = _Clock()
     s = _sched(clock)
@@ -339,3 +400,20 @@ def test_server_refuses_at_once_with_the_engine_thread_busy(tmp_path: Path, monk
         held.set()
         channel.close()
         server.stop()
+
+
+def test_metrics_count_promises_missed_and_the_projections_error():
+    from slabserve.runtime.metrics import Metrics
+
+    m = Metrics([SlabClass(512, 8)])
+    m.observe_finished(0.1, 2.0, 0.05, 10, promised_s=1.5, projected_s=1.0)   # late, at twice its projection
+    m.observe_finished(0.1, 0.5, 0.05, 10, promised_s=1.5, projected_s=1.0)   # on time, early
+    m.observe_finished(0.1, 0.5, 0.05, 10)                                      # nothing promised or projected
+    m.observe_finished(0.1, 0.5, 0.05, 0, promised_s=0.1, projected_s=0.1)     # no first token: nothing to judge
+    value = m.registry.get_sample_value
+    assert value("slabserve_first_token_promises_total") == 2
+    assert value("slabserve_first_token_promises_missed_total") == 1
+    assert value("slabserve_first_token_projection_ratio_count") == 2
+    assert value("slabserve_first_token_projection_ratio_bucket", {"le": "0.5"}) == 1
+    assert value("slabserve_first_token_projection_ratio_bucket", {"le": "1.5"}) == 1
+    assert value("slabserve_first_token_projection_ratio_bucket", {"le": "2.0"}) == 2

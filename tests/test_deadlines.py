@@ -53,6 +53,8 @@ def test_idle_default_plan_takes_a_burst_of_16_chats(tmp_path: Path):
         assert all(o in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH") for o in outcomes), outcomes
         log = [json.loads(line) for line in server.text().splitlines() if line.startswith('{"event": "request"')]
         print("\nburst of 16 on the default plan: TTFT ms", sorted(r.get("ttft_ms") for r in log))
+        # each was admitted against a promise (the plan's cap), with its first token projected no later
+        assert len(log) == 16 and all(r["projected_ttft_ms"] <= r["promised_ttft_ms"] for r in log), log
     finally:
         server.stop()
 

@@ -166,6 +166,8 @@ def test_64_concurrent_streams_match_the_engine(served, caplog):
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "slabserve.requests"]
     mine = {line["request_id"]: line for line in lines if line["request_id"].startswith("mix-")}
     assert len(mine) == 64 and all(line["code"] == "OK" and "ttft_ms" in line for line in mine.values())
+    # no cap in this plan: admission projects each first token but promises none
+    assert all("projected_ttft_ms" in line and "promised_ttft_ms" not in line for line in mine.values())
     _assert_every_slab_free(served.stub)
 
 
@@ -278,6 +280,8 @@ def test_tokenize_model_info_and_metrics(served):
     assert values['slabserve_free_slabs{slab_class="1:256"}'] == 4
     assert values["slabserve_requests_running"] == 0 and values["slabserve_kv_utilization"] == 0
     assert values["slabserve_time_to_first_token_seconds_count"] >= 1
+    assert values["slabserve_first_token_projection_ratio_count"] >= 1
+    assert values["slabserve_first_token_promises_total"] == 0  # no cap, no promise
     assert values["slabserve_time_per_output_token_seconds_count"] >= 1
     assert values["slabserve_generated_tokens_total"] >= 3
     assert values['slabserve_requests_total{code="OK",finish_reason="length"}'] >= 1
