@@ -29,11 +29,14 @@ The load to come: under that order a prompt is overtaken not only by the shorter
 but by every shorter one that arrives while it waits and prefills, so on a busy server a long prefill takes longer
 than the same prefill alone (an analysis at 0.4 req/s of the IDE mix took 1.36x its projection, and one first
 token came 8.6 s past its promise). The view therefore counts the prefill work admitted over the last
-`LOAD_WINDOW_S` seconds: the prompts shorter than a prompt's remaining ones took a share `rho` of the machine's time,
-and the same share of every second to come is projected to go to newcomers ahead of it, so its wait and its own
-prefill are projected at 1 / (1 - rho) times their idle length (`rho` at most `MAX_LOAD`: the oldest prefilling
-sequence's share of every step keeps it moving whatever arrives). The promise is made at the same load: its own
-prefill time at the current load, and as long again (or the cap) to wait. An idle server projects as before.
+`LOAD_WINDOW_S` seconds: the prompts shorter than r tokens took a share `load_below(r)` of the machine's time, and
+the same share of every second to come is projected to go to newcomers ahead of a prompt while it has r tokens
+left. Its wait is projected at 1 / (1 - load_below(its tokens)) times its idle length, and its own prefill at the
+mean of that factor as its tokens left run down (its last tokens are overtaken by fewer newcomers); the load is
+taken at most `MAX_LOAD` (the oldest prefilling sequence's share of every step keeps it moving whatever arrives).
+The promise is made at the same load: its own prefill time at the current load, and as long again (or the cap)
+to wait. The view is published after a step and read while the next one runs, which a newcomer waits for: what the
+step times say is left of it counts too. An idle server projects as before.
 
 Step times are measured (an exponential average per bucket, seeded by the engine's warm-up), so the bound holds
 on the machine the server runs on rather than the one the plan was built on. A step's time is modelled as its
@@ -49,11 +52,11 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 STEP_TIME_WEIGHT = 0.3  # weight of the newest step in the per-bucket average of step times
-LOAD_WINDOW_S = 60.0    # admitted prefill work over this many seconds measures the load to come
+LOAD_WINDOW_S = 120.0   # admitted prefill work over this many seconds measures the load to come
 MAX_LOAD = 0.75         # at most this share of the time to come is projected to go to newcomers (a 4x stretch)
 
 
@@ -124,6 +127,16 @@ class StepTimes:
             return
         self._seconds[bucket] = base if old is None else old + STEP_TIME_WEIGHT * (base - old)
 
+    def expected(self, bucket: int, pairs: int = 0) -> float:
+        """Seconds a step of `bucket` attending over `pairs` pairs should take (0 while nothing is measured)."""
+        if not self._seconds:
+            return 0.0
+        base = self._seconds.get(bucket)
+        if base is None:  # the nearest larger measured bucket, else the largest
+            larger = [b for b in self._seconds if b > bucket]
+            base = self._seconds[min(larger) if larger else max(self._seconds)]
+        return base + self.pair_seconds * pairs
+
     def snapshot(self) -> dict[int, float]:
         return dict(self._seconds)
 
@@ -169,7 +182,7 @@ class AdmissionView:
     def __init__(self, bound_s: float | None, pending: Iterable[Pending], oldest_seq_no: int | None, decoding: int,
                  step_tokens: int, buckets: Sequence[int], step_seconds: Mapping[int, float],
                  oldest_share: float, slab_wait_s: Sequence[float], next_seq_no: int, pair_seconds: float = 0.0,
-                 arrivals: Iterable[Arrival] = ()):
+                 arrivals: Iterable[Arrival] = (), step_due: Callable[[], float] | None = None):
         self.bound_s = bound_s
         self._pending = sorted(pending, key=_order)
         self._oldest = oldest_seq_no
@@ -182,7 +195,8 @@ class AdmissionView:
         self._next_seq_no = next_seq_no
         self._pair_s = pair_seconds
         self._arrivals = list(arrivals)
-        self._load: tuple[float, list[int], list[float]] | None = None  # (now, tokens sorted, seconds prefix sums)
+        self._step_due = step_due  # clock() when the step in flight should end (0: none), read at each decision
+        self._load: tuple[float, list[int], list[float], list[float]] | None = None  # _load_at's, and its now
 
     @property
     def measured(self) -> bool:
@@ -201,22 +215,41 @@ class AdmissionView:
             seconds += self._bucket_seconds(self._buckets[bisect_left(self._buckets, rows)])
         return seconds + self._pair_s * pairs
 
-    def load_below(self, tokens: int, now: float) -> float:
-        """The share of the machine's time (0..MAX_LOAD) that prompts of fewer than `tokens` tokens to prefill took
-        over the last LOAD_WINDOW_S seconds: what the prefill order will give newcomers ahead of such a prompt."""
+    def _load_at(self, now: float) -> tuple[list[int], list[float], list[float]]:
+        """The window's admitted prompts by size: sizes ascending, the prefill seconds of the first k of them
+        (sums[k]), and integral[k] = the integral over r in (0, sizes[k-1]] of 1 / (1 - load_below(r))."""
         if self._load is None or self._load[0] != now:
             recent = sorted((a.tokens, self._marginal_seconds(a)) for a in self._arrivals
                             if now - LOAD_WINDOW_S <= a.at <= now)
-            sums = [0.0]
-            for _, seconds in recent:
+            sizes = [t for t, _ in recent]
+            sums, integral = [0.0], [0.0]
+            for k, (tokens, seconds) in enumerate(recent):
+                below = sizes[k - 1] if k else 0
+                integral.append(integral[-1] + (tokens - below) / (1.0 - min(MAX_LOAD, sums[-1] / LOAD_WINDOW_S)))
                 sums.append(sums[-1] + seconds)
-            self._load = (now, [t for t, _ in recent], sums)
-        _, sizes, sums = self._load
+            self._load = (now, sizes, sums, integral)
+        return self._load[1:]
+
+    def load_below(self, tokens: int, now: float) -> float:
+        """The share of the machine's time (0..MAX_LOAD) that prompts of fewer than `tokens` tokens to prefill took
+        over the last LOAD_WINDOW_S seconds: what the prefill order will give newcomers ahead of such a prompt."""
+        sizes, sums, _ = self._load_at(now)
         return min(MAX_LOAD, sums[bisect_left(sizes, tokens)] / LOAD_WINDOW_S)
 
     def stretch(self, tokens: int, now: float) -> float:
-        """How much longer than alone a prompt with `tokens` tokens left is projected to take at the current load."""
+        """How much longer than alone a prompt with `tokens` tokens left waits for the work ahead of it, at the
+        current load."""
         return 1.0 / (1.0 - self.load_below(tokens, now))
+
+    def own_stretch(self, tokens: int, now: float) -> float:
+        """The same for its own prefill, whose later tokens fewer newcomers overtake (the order goes by the tokens
+        left): the mean of 1 / (1 - load_below(r)) over r = 1 .. tokens."""
+        if tokens <= 0:
+            return 1.0
+        sizes, sums, integral = self._load_at(now)
+        k = bisect_left(sizes, tokens)
+        below = sizes[k - 1] if k else 0
+        return (integral[k] + (tokens - below) / (1.0 - min(MAX_LOAD, sums[k] / LOAD_WINDOW_S))) / tokens
 
     def _marginal_seconds(self, a: Arrival) -> float:
         """What an admitted prompt's prefill adds to the steps it shares: its tokens at a full step's rate, and its
@@ -232,7 +265,8 @@ class AdmissionView:
         load (see the module docstring)."""
         if self.bound_s is None:
             return math.inf
-        own = self.seconds_for(prompt_tokens, prefill_pairs(done, prompt_tokens)) * self.stretch(prompt_tokens, now)
+        own = self.seconds_for(prompt_tokens, prefill_pairs(done, prompt_tokens))
+        own *= self.own_stretch(prompt_tokens, now)
         return now + max(self.bound_s, own) + own
 
     def admit(self, prompt_tokens: int, home: int, now: float, caller_deadline: float | None = None,
@@ -286,8 +320,13 @@ class AdmissionView:
 
     def _projected(self, j: int, prefix: list[tuple[int, int]], entries: list[Pending], oldest: Pending | None,
                    now: float) -> float:
-        """Seconds from now to entries[j]'s first token (its slab wait aside), at the current load."""
-        return self.seconds_for(*self._ahead(j, prefix, entries, oldest)) * self.stretch(entries[j].remaining, now)
+        """Seconds from now to entries[j]'s first token (its slab wait aside), at the current load: the step in
+        flight, the work ahead of it stretched by the newcomers that will overtake it, then its own prefill."""
+        e = entries[j]
+        total = self.seconds_for(*self._ahead(j, prefix, entries, oldest))
+        own = min(total, self.seconds_for(e.remaining, e.pairs))
+        busy = max(0.0, self._step_due() - now) if self._step_due is not None else 0.0
+        return busy + (total - own) * self.stretch(e.remaining, now) + own * self.own_stretch(e.remaining, now)
 
     def _record(self, prompt_tokens: int, deadline: float, done: int, now: float) -> None:
         insort(self._pending, Pending(prompt_tokens, self._next_seq_no, deadline, done), key=_order)

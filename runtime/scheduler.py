@@ -228,6 +228,7 @@ class Scheduler:
         self.step_times = StepTimes(self.buckets)  # measured by schedule() .. complete_step()
         self._step_started = 0.0
         self._step_pairs = 0  # (query row, key) pairs the in-flight step's prefill chunks attend over
+        self.step_due = 0.0   # clock() when the step in flight should end (0: none): a newcomer waits for it
         self.prefix = PrefixIndex(self.allocator.slabs(), prefix_block) if prefix_reuse else None
         self.copy_min_tokens = copy_min_tokens
         self._copies: list[_Seq] = []     # placed with a copy that no scheduled step has run yet
@@ -335,6 +336,7 @@ class Scheduler:
         step = ScheduledStep(tuple(chunks), self.buckets[bisect_left(self.buckets, num_tokens)], num_tokens, copies)
         self._inflight = (step, tuple(seqs))
         self._step_started = self._clock()
+        self.step_due = self._step_started + self.step_times.expected(step.bucket, self._step_pairs)
         return step
 
     def complete_step(self, step: ScheduledStep, sampled: Mapping[str, int]) -> list[TokenEvent]:
@@ -345,6 +347,7 @@ class Scheduler:
         """
         seqs = self._check_inflight(step, sampled)
         self._inflight = None
+        self.step_due = 0.0
         self.step_times.observe(step.bucket, self._clock() - self._step_started, self._step_pairs)
         events: list[TokenEvent] = []
         for chunk, seq in zip(step.chunks, seqs):
@@ -364,6 +367,7 @@ class Scheduler:
         if self._inflight is None or self._inflight[0] is not step:
             raise ValueError("discard_step(): this step is not the one in flight")
         self._inflight = None
+        self.step_due = 0.0
         for copy in step.copies:  # it may have failed before its copies ran: those prompts start from row 0
             for seq in self._prefilling.values():
                 if seq.slab.offset == copy.dst and seq.num_computed == seq.cached == copy.rows:
@@ -401,7 +405,11 @@ class Scheduler:
         return AdmissionView(self.max_queue_delay_s, pending, oldest, len(self._decoding), self.step_tokens,
                              self.buckets, self.step_times.snapshot(), self.oldest_prefill_share,
                              [self._slab_wait_s(h) for h in range(len(self._queues))],
-                             self._next_seq_no + len(unsubmitted), self.step_times.pair_seconds, self._arrivals)
+                             self._next_seq_no + len(unsubmitted), self.step_times.pair_seconds, self._arrivals,
+                             self._step_due)
+
+    def _step_due(self) -> float:
+        return self.step_due  # read on a front door's thread: one attribute, replaced whole by the engine thread
 
     def expected_cached(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a placement will most likely find in a slab (0 with reuse off). Safe to call from other

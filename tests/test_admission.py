@@ -25,7 +25,7 @@ def _view(pending=(), *, bound=1.0, seconds=None, decoding=0, oldest=None, slab_
 
 
 def _busy(tokens: int, seconds_of_work: float, now: float = 0.0) -> list[Arrival]:
-    """Prompts of `tokens` tokens admitted over the last minute, `seconds_of_work` of prefill at 1/256 s a token."""
+    """Prompts of `tokens` tokens admitted over the window, `seconds_of_work` of prefill at 1/256 s a token."""
     n = round(seconds_of_work * 256 / tokens)
     return [Arrival(now - LOAD_WINDOW_S * (i + 0.5) / n, tokens) for i in range(n)]
 
@@ -73,41 +73,66 @@ def test_the_work_ahead_counts_its_attention():
 
 
 def test_the_load_to_come_stretches_a_long_prompt_and_its_promise():
-    """Shorter prompts that took half the machine over the last minute will overtake a 3,200-token prompt at the
-    same rate while it waits and prefills: its 64 + 100 steps are projected at twice their idle length, and its
-    own prefill, promised at the current load, is 25 s, so the promise is 50 s. An idle server projects 20.5 s
-    and promises 25 s; prompts longer than it, or admitted before the window, do not count."""
+    """256-token prompts that took half the machine over the window will overtake a 3,200-token prompt at the same
+    rate while it waits (its 64 steps ahead take twice their idle length) and while more than 256 of its own tokens
+    are left, so its own 100 steps take (2944 * 2 + 256) / 3200 = 1.92x theirs. An idle server
+    projects 20.5 s and promises 25 s; prompts longer than it, or admitted before the window, do not count."""
     ahead = [Pending(32 * 64, seq_no=1, deadline=1e9)]
     idle = _view(ahead).decide(3200, 1, now=0.0)
     assert (idle.promise, idle.projected) == (pytest.approx(25.0), pytest.approx(20.5))
-    busy = _busy(256, 30.0)
-    assert _view(ahead, arrivals=busy).load_below(3200, 0.0) == pytest.approx(0.5)
+    busy = _busy(256, LOAD_WINDOW_S / 2)
+    v = _view(ahead, arrivals=busy)
+    assert v.load_below(3200, 0.0) == pytest.approx(0.5) and v.stretch(3200, 0.0) == pytest.approx(2.0)
+    own = 12.5 * (2944 * 2 + 256) / 3200
+    assert v.own_stretch(3200, 0.0) == pytest.approx(own / 12.5)
     loaded = _view(ahead, arrivals=busy).decide(3200, 1, now=0.0)
-    assert (loaded.promise, loaded.projected) == (pytest.approx(50.0), pytest.approx(41.0))
-    others = _busy(5000, 30.0) + [Arrival(-LOAD_WINDOW_S - 1.0, 256)] * 100
+    assert (loaded.promise, loaded.projected) == (pytest.approx(2 * own), pytest.approx(8.0 * 2 + own))
+    others = _busy(5000, LOAD_WINDOW_S / 2) + [Arrival(-LOAD_WINDOW_S - 1.0, 256)] * 100
     assert _view(ahead, arrivals=others).decide(3200, 1, now=0.0) == idle
 
 
 def test_a_short_prompt_is_stretched_only_by_shorter_arrivals():
-    v = _view(arrivals=_busy(256, 30.0))
+    v = _view(arrivals=_busy(256, LOAD_WINDOW_S / 2))
     assert v.stretch(32, 0.0) == 1.0 and v.stretch(256, 0.0) == 1.0 and v.stretch(257, 0.0) == pytest.approx(2.0)
+    assert v.own_stretch(256, 0.0) == 1.0 and v.own_stretch(512, 0.0) == pytest.approx(1.5)
     assert v.admit(32, 0, now=0.0) == pytest.approx(1.0 + 0.125)
 
 
 def test_the_stretch_is_bounded_by_the_oldest_sequences_share():
-    assert _view(arrivals=_busy(64, 600.0)).stretch(1000, 0.0) == pytest.approx(1 / (1 - MAX_LOAD))
+    v = _view(arrivals=_busy(64, 10 * LOAD_WINDOW_S))
+    assert v.stretch(1000, 0.0) == pytest.approx(1 / (1 - MAX_LOAD))
+    assert v.own_stretch(1000, 0.0) == pytest.approx((64 + 936 / (1 - MAX_LOAD)) / 1000)
 
 
 def test_a_busy_server_refuses_what_an_idle_one_admits():
     """A 128-token prompt (0.5 s alone) behind 6 steps of shorter work (0.75 s), bound 1 s: idle, its first token is
-    projected at 1.25 s against a promise of 1.5 s; with 64-token prompts taking half the machine, 2.5 s against
-    2.0 s, and it is refused; its projection is returned with the promise when admitted."""
+    projected at 1.25 s against a promise of 1.5 s; with 64-token prompts taking half the machine, 1.5 s of waiting
+    and 0.75 s of its own prefill (half of it overtaken), 2.25 s against 1.75 s, and it is refused."""
     ahead = [Pending(32, seq_no=i, deadline=1e9) for i in range(6)]
     admitted = _view(ahead).decide(128, 0, now=0.0)
     assert admitted.projected == pytest.approx(1.25) and admitted.promise == pytest.approx(1.5)
     with pytest.raises(DelayBoundError, match="its own first token") as err:
-        _view(ahead, arrivals=_busy(64, 30.0)).decide(128, 0, now=0.0)
+        _view(ahead, arrivals=_busy(64, LOAD_WINDOW_S / 2)).decide(128, 0, now=0.0)
     assert err.value.late_ms == 500
+
+
+def test_a_newcomer_waits_for_the_step_in_flight():
+    """The view published after the last step is read while the next one runs: a newcomer's first step comes after
+    it, so what is left of it (by the step times) counts, and makes a request that would just fit late."""
+    due = [0.0]
+
+    def view() -> AdmissionView:
+        return AdmissionView(1.0, [Pending(32, seq_no=i, deadline=1e9) for i in range(6)], None, 0, 32, BUCKETS,
+                             {b: 0.125 for b in BUCKETS}, 0.25, (0.0,), next_seq_no=100, step_due=lambda: due[0])
+
+    assert view().decide(96, 0, now=10.0).projected == pytest.approx(10.0 + 0.75 + 0.375)
+    due[0] = 10.2
+    assert view().decide(96, 0, now=10.0).projected == pytest.approx(10.0 + 0.2 + 0.75 + 0.375)
+    due[0] = 10.4  # 0.4 + 0.75 + 0.375 s: past its promise of 1 + 0.375 s
+    with pytest.raises(DelayBoundError, match="its own first token"):
+        view().decide(96, 0, now=10.0)
+    due[0] = 9.0  # a step that overran its time: nothing left to wait for by the model
+    assert view().decide(96, 0, now=10.0).projected == pytest.approx(10.0 + 0.75 + 0.375)
 
 
 def test_unmeasured_view_admits_and_records():
@@ -310,6 +335,21 @@ def test_scheduler_counts_the_load_of_the_last_minute():
     assert s.admission_view().load_below(100, clock.now) == 0.0
     s.submit(_req("given", 64, deadline=5.0, projected=3.0))  # the server's gRPC thread decided
     assert s.first_token_promise("given") == (5.0, 3.0)
+
+
+def test_scheduler_says_when_the_step_in_flight_should_end():
+    clock = _Clock()
+    s = _sched(clock)
+    s.step_times.seed({32: 0.25}, pair_seconds=1e-4)
+    s.submit(_req("a", 20))
+    assert s.step_due == 0.0
+    step = s.schedule()  # 20 rows attending over 210 pairs
+    assert s.step_due == pytest.approx(0.25 + 210e-4)
+    clock.now += 0.3
+    s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample})
+    assert s.step_due == 0.0
+    s.discard_step(s.schedule())
+    assert s.step_due == 0.0
 
 
 def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
