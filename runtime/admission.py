@@ -15,7 +15,8 @@ first-token deadline (its gRPC deadline, or the request's own `first_token_deadl
   its own, its own prompt, and the oldest sequence's share, plus the wait for a slab when none is free now. It is
   refused (`DelayBoundError`, RESOURCE_EXHAUSTED with a retry pushback) when that misses its own deadline (the
   caller's or the cap's, whichever is sooner), or when the prefill work it puts ahead of longer admitted prompts
-  would make one of them miss the server's promise. An admitted prompt already projected past its promise without
+  would make one of them miss the server's promise (counted as if nothing else arrived: their promises already
+  allow for the load to come, below). An admitted prompt already projected past its promise without
   the newcomer (its prefill ran slower than projected: attention over a long prompt grows with its length) is not
   protected that way: refusing every shorter request for the rest of its prefill would save it only their few
   steps (measured on the IDE mix at 0.4 req/s: 15 of 92 completions refused, all for analyses already late),
@@ -56,7 +57,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 STEP_TIME_WEIGHT = 0.3  # weight of the newest step in the per-bucket average of step times
-LOAD_WINDOW_S = 120.0   # admitted prefill work over this many seconds measures the load to come
+LOAD_WINDOW_S = 60.0    # admitted prefill work over this many seconds measures the load to come
 MAX_LOAD = 0.75         # at most this share of the time to come is projected to go to newcomers (a 4x stretch)
 
 
@@ -299,15 +300,19 @@ class AdmissionView:
         # the admitted prompts it overtakes, each of which it may not make late; one already projected late without
         # it (its prefill ran slower than projected) is not protected by refusing newcomers, which would then be
         # refused for as long as it prefills while saving it only their few steps: the oldest sequence's share
-        # keeps it moving whatever arrives
+        # keeps it moving whatever arrives. Their promises were made at the load to come, which is newcomers like
+        # this one, so it is checked against them as if nothing else arrived: projected at the load again, its
+        # work would count twice, and the shorter requests that load stands for would be refused to protect a
+        # long prompt's margin (at 0.4 req/s of the IDE mix: four completions in a row, for an analysis whose
+        # first token came late all the same).
         admitted = None  # prefix sums of the admitted entries alone, made once if some entry needs them
         for j in range(i + 1, len(entries)):
             e = entries[j]
-            miss = now + self._projected(j, prefix, entries, oldest, now) - e.deadline
+            miss = now + self._projected(j, prefix, entries, oldest, now, load=False) - e.deadline
             if miss > late and miss > 0:
                 admitted = admitted or _prefix_sums(self._pending)
                 # entries[j] is self._pending[j - 1]: on time without the newcomer?
-                if now + self._projected(j - 1, admitted, self._pending, oldest, now) <= e.deadline:
+                if now + self._projected(j - 1, admitted, self._pending, oldest, now, load=False) <= e.deadline:
                     late, whose = miss, "an admitted request's"
         if late > 0:
             # The work ahead shrinks as fast as the clock runs, so after `late` seconds the same request would just
@@ -319,13 +324,16 @@ class AdmissionView:
         return Admitted(promise, projected)
 
     def _projected(self, j: int, prefix: list[tuple[int, int]], entries: list[Pending], oldest: Pending | None,
-                   now: float) -> float:
-        """Seconds from now to entries[j]'s first token (its slab wait aside), at the current load: the step in
-        flight, the work ahead of it stretched by the newcomers that will overtake it, then its own prefill."""
+                   now: float, load: bool = True) -> float:
+        """Seconds from now to entries[j]'s first token (its slab wait aside): the step in flight, the work ahead
+        of it, then its own prefill; at the current load (the newcomers that will overtake it), or with `load`
+        False as if nothing more arrived."""
         e = entries[j]
         total = self.seconds_for(*self._ahead(j, prefix, entries, oldest))
-        own = min(total, self.seconds_for(e.remaining, e.pairs))
         busy = max(0.0, self._step_due() - now) if self._step_due is not None else 0.0
+        if not load:
+            return busy + total
+        own = min(total, self.seconds_for(e.remaining, e.pairs))
         return busy + (total - own) * self.stretch(e.remaining, now) + own * self.own_stretch(e.remaining, now)
 
     def _record(self, prompt_tokens: int, deadline: float, done: int, now: float) -> None:

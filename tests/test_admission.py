@@ -116,6 +116,20 @@ def test_a_busy_server_refuses_what_an_idle_one_admits():
     assert err.value.late_ms == 500
 
 
+def test_an_admitted_promise_is_protected_as_if_nothing_else_arrived():
+    """A 1,280-token prompt's promise was made at the load to come: shorter newcomers overtaking it are that load,
+    so one is refused only when it would make the prompt late with nothing else arriving (5 s of its own steps and
+    the newcomer's one), not by a projection that counts newcomers like it at the load once more (10 s)."""
+    busy = _busy(64, LOAD_WINDOW_S / 2)
+    for deadline, admitted in ((9.9, True), (5.2, True), (5.1, False)):
+        v = _view([Pending(32 * 40, seq_no=1, deadline=deadline)], arrivals=busy)
+        if admitted:
+            v.admit(32, 0, now=0.0)
+        else:
+            with pytest.raises(DelayBoundError, match="an admitted request's first token"):
+                v.admit(32, 0, now=0.0)
+
+
 def test_a_newcomer_waits_for_the_step_in_flight():
     """The view published after the last step is read while the next one runs: a newcomer's first step comes after
     it, so what is left of it (by the step times) counts, and makes a request that would just fit late."""
