@@ -2,6 +2,7 @@
 requests, the scheduler's measured step times, and the server refusing at the gRPC edge without the engine thread."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -471,3 +472,31 @@ def test_metrics_count_promises_missed_and_the_projections_error():
     assert value("slabserve_first_token_projection_ratio_bucket", {"le": "0.5"}) == 1
     assert value("slabserve_first_token_projection_ratio_bucket", {"le": "1.5"}) == 1
     assert value("slabserve_first_token_projection_ratio_bucket", {"le": "2.0"}) == 2
+
+
+def test_admission_report_reads_a_server_log(tmp_path: Path, capsys):
+    from slabserve.tools.admission_report import main
+
+    def line(tokens, code="OK", **kw):
+        return json.dumps({"event": "request", "prompt_tokens": tokens, "code": code, **kw})
+
+    log = tmp_path / "server.log"
+    log.write_text("\n".join([
+        '{"event": "serving"}', "not json at all {",
+        line(100, ttft_ms=200.0, projected_ttft_ms=100.0, promised_ttft_ms=5100.0),
+        line(300, ttft_ms=100.0, projected_ttft_ms=100.0, promised_ttft_ms=5100.0),
+        line(4000, ttft_ms=12000.0, projected_ttft_ms=10000.0, promised_ttft_ms=11000.0),
+        line(4000, "RESOURCE_EXHAUSTED", error="slab class 2: ... its own first token would come about 481 ms late"),
+        line(50, "CANCELLED"),
+    ]) + "\n")
+    assert main([str(log), "--json", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())[str(log)]
+    assert r["requests"] == 5 and r["codes"] == {"OK": 3, "RESOURCE_EXHAUSTED": 1, "CANCELLED": 1}
+    short, mid, long = r["by_size"]
+    assert (short["requests"], short["ratio_median"], short["ratio_max"], short["missed"]) == (2, 1.5, 2.0, 0)
+    assert mid["requests"] == 0 and mid["ratio_median"] is None
+    assert (long["ratio_median"], long["missed"], long["missed_by_s"]) == (1.2, 1, [1.0])
+    assert r["refusals"][0]["prompt_tokens"] == 4000
+    assert "481 ms" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.log")])
