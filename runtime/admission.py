@@ -132,11 +132,7 @@ class StepTimes:
         """Seconds a step of `bucket` attending over `pairs` pairs should take (0 while nothing is measured)."""
         if not self._seconds:
             return 0.0
-        base = self._seconds.get(bucket)
-        if base is None:  # the nearest larger measured bucket, else the largest
-            larger = [b for b in self._seconds if b > bucket]
-            base = self._seconds[min(larger) if larger else max(self._seconds)]
-        return base + self.pair_seconds * pairs
+        return bucket_seconds(self._seconds, bucket) + self.pair_seconds * pairs
 
     def snapshot(self) -> dict[int, float]:
         return dict(self._seconds)
@@ -355,11 +351,15 @@ class AdmissionView:
         return work, pairs
 
     def _bucket_seconds(self, bucket: int) -> float:
-        """The bucket's measured time, or else the nearest larger (then smaller) measured bucket's."""
-        if bucket in self._seconds:
-            return self._seconds[bucket]
-        larger = [b for b in self._seconds if b > bucket]
-        return self._seconds[min(larger)] if larger else self._seconds[max(self._seconds)]
+        return bucket_seconds(self._seconds, bucket)
+
+
+def bucket_seconds(seconds: Mapping[int, float], bucket: int) -> float:
+    """The bucket's measured time, or else the nearest larger (then smaller) measured bucket's (some measured)."""
+    if bucket in seconds:
+        return seconds[bucket]
+    larger = [b for b in seconds if b > bucket]
+    return seconds[min(larger)] if larger else seconds[max(seconds)]
 
 
 def _order(p: Pending) -> tuple[int, int]:
