@@ -290,7 +290,8 @@ class AdmissionView:
         oldest = next((e for e in entries if e.seq_no == self._oldest), None)
         # the new request itself: the slab wait, then everything before it in the prefill order
         i = entries.index(new)
-        projected = now + self._slab_wait[home] + self._projected(i, prefix, entries, oldest, now)
+        busy = max(0.0, self._step_due() - now) if self._step_due is not None else 0.0  # read once: one decision
+        projected = now + self._slab_wait[home] + busy + self._projected(i, prefix, entries, oldest, now)
         late = projected - deadline
         whose = "its own" if deadline == promise else "its own (the caller's deadline)"
         # the admitted prompts it overtakes, each of which it may not make late; one already projected late without
@@ -304,11 +305,11 @@ class AdmissionView:
         admitted = None  # prefix sums of the admitted entries alone, made once if some entry needs them
         for j in range(i + 1, len(entries)):
             e = entries[j]
-            miss = now + self._projected(j, prefix, entries, oldest, now, load=False) - e.deadline
+            miss = now + busy + self._projected(j, prefix, entries, oldest, now, load=False) - e.deadline
             if miss > late and miss > 0:
                 admitted = admitted or _prefix_sums(self._pending)
                 # entries[j] is self._pending[j - 1]: on time without the newcomer?
-                if now + self._projected(j - 1, admitted, self._pending, oldest, now, load=False) <= e.deadline:
+                if now + busy + self._projected(j - 1, admitted, self._pending, oldest, now, load=False) <= e.deadline:
                     late, whose = miss, "an admitted request's"
         if late > 0:
             # The work ahead shrinks as fast as the clock runs, so after `late` seconds the same request would just
@@ -321,16 +322,15 @@ class AdmissionView:
 
     def _projected(self, j: int, prefix: list[tuple[int, int]], entries: list[Pending], oldest: Pending | None,
                    now: float, load: bool = True) -> float:
-        """Seconds from now to entries[j]'s first token (its slab wait aside): the step in flight, the work ahead
+        """Seconds to entries[j]'s first token once the step in flight is done (its slab wait aside): the work ahead
         of it, then its own prefill; at the current load (the newcomers that will overtake it), or with `load`
         False as if nothing more arrived."""
         e = entries[j]
         total = self.seconds_for(*self._ahead(j, prefix, entries, oldest))
-        busy = max(0.0, self._step_due() - now) if self._step_due is not None else 0.0
         if not load:
-            return busy + total
+            return total
         own = min(total, self.seconds_for(e.remaining, e.pairs))
-        return busy + (total - own) * self.stretch(e.remaining, now) + own * self.own_stretch(e.remaining, now)
+        return (total - own) * self.stretch(e.remaining, now) + own * self.own_stretch(e.remaining, now)
 
     def _record(self, prompt_tokens: int, deadline: float, done: int, now: float) -> None:
         insort(self._pending, Pending(prompt_tokens, self._next_seq_no, deadline, done), key=_order)
