@@ -38,6 +38,7 @@ from slabserve.runtime.model import DTYPE_NAMES, WEIGHT_ALIGNMENT, default_gemm,
 from slabserve.runtime.ranks import collective_bytes
 from slabserve.runtime.step import logits_rows
 from slabserve.runtime.tensor_parallel import rank_config, rank_slice
+from slabserve.runtime.trace import kv_rows_for
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -379,8 +380,9 @@ def plan_slabs_for(spec: Spec, config: ModelConfig, weights: int, activations: i
 
 def kv_arena(config: ModelConfig, kv_dtype: str, slabs: SlabPlan,
              prefixes: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> P.KVArena:
-    """The slab classes back to back, then the declared prefixes' rows."""
-    rows = slabs.arena_tokens + sum(len(ids) for _, ids in prefixes)
+    """The slab classes back to back, then the declared prefixes' rows, then up to KV_TILE - 1 unused rows (a whole
+    number of K tiles: runtime.trace.kv_rows_for)."""
+    rows = kv_rows_for(slabs.arena_tokens + sum(len(ids) for _, ids in prefixes))
     one = config.num_layers * rows * config.num_kv_heads * config.head_dim * DTYPES[kv_dtype]  # (L, N, Hkv, D)
     classes, row = [], 0
     for c in slabs.classes:

@@ -22,7 +22,7 @@ import torch
 
 from slabserve.runtime.config import ModelConfig
 from slabserve.runtime.model import LlamaStep, empty_packed
-from slabserve.runtime.trace import activation_tensors, export_step, graph_fingerprint, meta_step
+from slabserve.runtime.trace import activation_tensors, export_step, graph_fingerprint, k_cache_tiled, meta_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,20 +50,21 @@ def trace_buckets(config: ModelConfig, dtype: torch.dtype, buckets: Sequence[int
     """`kv_dtype`: the KV caches' dtype (the plan's kv_dtype; default `dtype`); `blocks`: the block types of a
     quantized weight format (runtime.model.weight_blocks)."""
     kv_dtype = kv_dtype or dtype
+    tiled = k_cache_tiled(config, device, dtype, kv_dtype)  # the K cache's layout on the target, as Engine has it
     if device != "cpu":
         step = meta_step(config, dtype, rope_positions, gemm, blocks)
-        return [trace_bucket(step, tokens, max_seqs, kv_rows, kv_dtype) for tokens in buckets]
+        return [trace_bucket(step, tokens, max_seqs, kv_rows, kv_dtype, tiled) for tokens in buckets]
     # torch.export's own fake-tensor machinery; a private module, but the one export itself runs on
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         step = LlamaStep(config, empty_packed(config, dtype, gemm, blocks), rope_positions, gemm=gemm, blocks=blocks)
-        return [trace_bucket(step, tokens, max_seqs, kv_rows, kv_dtype) for tokens in buckets]
+        return [trace_bucket(step, tokens, max_seqs, kv_rows, kv_dtype, tiled) for tokens in buckets]
 
 
 def trace_bucket(step: LlamaStep, tokens: int, max_seqs: int, kv_rows: int,
-                 kv_dtype: torch.dtype | None = None) -> TracedBucket:
-    program = export_step(step, tokens, max_seqs, kv_rows, kv_dtype=kv_dtype)
+                 kv_dtype: torch.dtype | None = None, k_tiled: bool = False) -> TracedBucket:
+    program = export_step(step, tokens, max_seqs, kv_rows, kv_dtype=kv_dtype, k_tiled=k_tiled)
     tensors = tuple(Intermediate(name=t.name, shape=tuple(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
                                  first_use=t.first_use, last_use=t.last_use) for t in activation_tensors(program))
     return TracedBucket(tokens=tokens, tensors=tensors, fingerprint=graph_fingerprint(program), program=program,

@@ -92,12 +92,60 @@ def check_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     _expect_same_device(op, gate_up=gate_up, out=out)
 
 
+# Keys per tile of a tiled K cache. A CPU engine's K cache is (num_rows / KV_TILE, num_kv_heads, head_dim, KV_TILE):
+# the KV_TILE keys of a tile side by side for each (kv head, dimension), so that the native attention
+# (kernels/cpu_native.c) computes each key's score in its own vector lane. V stays (num_rows, num_kv_heads,
+# head_dim), and so does K on CUDA, where the Triton kernels read rows.
+KV_TILE = 16
+
+
+def k_tiled(k_cache: torch.Tensor) -> bool:
+    """Whether one layer's K cache is tiled: (num_rows / KV_TILE, num_kv_heads, head_dim, KV_TILE)."""
+    return k_cache.dim() == 4
+
+
+def kv_cache_rows(k_cache: torch.Tensor) -> int:
+    """The cache rows (token slots) of one layer's K cache, tiled or not."""
+    return k_cache.shape[0] * KV_TILE if k_tiled(k_cache) else k_cache.shape[0]
+
+
+def k_cache_shape(rows_shape: tuple[int, ...], tiled: bool) -> tuple[int, ...]:
+    """The K cache's shape for caches of `rows_shape` (..., num_rows, num_kv_heads, head_dim): as it is, or tiled
+    (num_rows a multiple of KV_TILE)."""
+    if not tiled:
+        return tuple(rows_shape)
+    *lead, rows, heads, dim = rows_shape
+    if rows % KV_TILE:
+        raise ValueError(f"a tiled K cache needs a multiple of {KV_TILE} rows, got {rows}")
+    return (*lead, rows // KV_TILE, heads, dim, KV_TILE)
+
+
+def k_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    """One layer's K cache as rows (num_rows, num_kv_heads, head_dim): itself, or a tiled cache's rows copied out
+    (for the reference kernels and tests, never a step of the native path)."""
+    if not k_tiled(k_cache):
+        return k_cache
+    tiles, heads, dim, _ = k_cache.shape
+    return k_cache.permute(0, 3, 1, 2).reshape(tiles * KV_TILE, heads, dim)
+
+
+def k_tiles(k_rows_: torch.Tensor) -> torch.Tensor:
+    """Rows (num_rows, num_kv_heads, head_dim), num_rows a multiple of KV_TILE, as a new tiled K cache."""
+    rows, heads, dim = k_rows_.shape
+    return k_rows_.reshape(rows // KV_TILE, KV_TILE, heads, dim).permute(0, 2, 3, 1).contiguous()
+
+
 def _check_kv_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The caches' dtype is the plan's kv_dtype, which may differ from the activations': kv_write rounds into it
-    and attention widens out of it."""
-    if k_cache.dim() != 3:
-        _fail(op, f"k_cache must be (num_rows, num_kv_heads, head_dim), got {tuple(k_cache.shape)}")
-    _expect_shape(op, "v_cache", v_cache, tuple(k_cache.shape))
+    and attention widens out of it. K may be tiled (KV_TILE)."""
+    if k_cache.dim() == 4:
+        if k_cache.shape[3] != KV_TILE:
+            _fail(op, f"a tiled k_cache must be (num_rows / {KV_TILE}, num_kv_heads, head_dim, {KV_TILE}), got "
+                      f"{tuple(k_cache.shape)}")
+    elif k_cache.dim() != 3:
+        _fail(op, f"k_cache must be (num_rows, num_kv_heads, head_dim) or tiled (num_rows / {KV_TILE}, "
+                  f"num_kv_heads, head_dim, {KV_TILE}), got {tuple(k_cache.shape)}")
+    _expect_shape(op, "v_cache", v_cache, (kv_cache_rows(k_cache), k_cache.shape[1], k_cache.shape[2]))
     _expect_dtype(op, "k_cache", k_cache, FLOAT_DTYPES)
     _expect_dtype(op, "v_cache", v_cache, (k_cache.dtype,))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -111,7 +159,7 @@ def check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     _expect_activation(op, "v", v, 3, k.dtype)
     _expect_shape(op, "v", v, tuple(k.shape))
     _check_kv_cache_pair(op, k_cache, v_cache)
-    _expect_shape(op, "k_cache", k_cache, (k_cache.shape[0], k.shape[1], k.shape[2]))
+    _expect_shape(op, "k_cache", k_cache, (*k_cache.shape[:1], k.shape[1], k.shape[2], *k_cache.shape[3:]))
     _expect_shape(op, "slot_mapping", slot_mapping, (k.shape[0],))
     _expect_dtype(op, "slot_mapping", slot_mapping, (torch.int64,))
     _expect_same_device(op, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)

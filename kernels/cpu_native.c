@@ -209,13 +209,6 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-/* The eight horizontal sums of v[0..7], as one vector. */
-static inline __m256 hsum8(const __m256 v[8]) {
-    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -223,16 +216,19 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* scale * q . k for `len` keys (rows of k, stride ldkv elements, of `kind`), for `nq` (1..SCORE_HEADS) query heads at
- * once (head h: q + h * D, into sc + h * KEY_BLOCK): eight keys at a time, each its own accumulator, so the FMAs of
- * eight dot products interleave instead of waiting on one chain, and each key row is loaded once for all nq heads.
- * Each (head, key) is the same chain and hsum8 whatever nq is. */
+/* The K cache is stored in tiles of KV_TILE keys (slabserve.kernels.contracts.KV_TILE): tile t holds cache rows
+ * 16t .. 16t+15, and for each of a row's ldkv elements e (kv head g's dimension d: e = g * head_dim + d) the 16 rows'
+ * values side by side, so element e of row r lies at ((r / 16) * ldkv + e) * 16 + r % 16. V stays one row after
+ * another. A key's score is then a column of FMAs in its own lane (below), with no sum across lanes; stored so by
+ * slabserve_kv_write_f32, read in place. */
+#define KV_TILE 16
+
+static inline int64_t k_tile_index(int64_t row, int64_t e, int64_t ldkv) {
+    return ((row / KV_TILE) * ldkv + e) * KV_TILE + row % KV_TILE;
+}
+
 #ifdef __AVX512F__
-#define SCORE_HEADS 3  /* 3 x 8 accumulators, 3 query and 1 key registers, of the 32 ymm AVX-512 VL gives */
-#else
-#define SCORE_HEADS 1
-#endif
-#ifdef __AVX512F__
+#define SCORE_HEADS 3  /* 3 x 4 accumulators, 4 key registers and a broadcast, of the 32 zmm AVX-512 gives */
 /* 16 KV elements from `index` as floats (exact), or with `half` the 8 there and zeros above (a head_dim's tail of
  * 8: the zeros add exact zeros to lanes 8..15). */
 static inline __attribute__((always_inline)) __m512 load_kv16(const void *base, int64_t index, int kind, int half) {
@@ -253,107 +249,100 @@ static inline __attribute__((always_inline)) __m512 in_register(__m512 x) {
     return x;
 }
 
-static inline __attribute__((always_inline)) __m512 load_q16(const float *p, int half) {
-    return half ? _mm512_maskz_loadu_ps(0x00FF, p) : _mm512_loadu_ps(p);
-}
-
-/* The AVX-512 build's scores: the same eight keys a pass and SCORE_HEADS heads, each dot product one 16-lane chain
- * over d in order (a head_dim of 8 mod 16 ends in a half-filled step), folded to 8 lanes and summed by hsum8: half
- * the FMAs of the 8-lane chains. Decode rows and prefill chunks run this same code, so a row's score never depends
- * on its chunk; the bits differ from the AVX2 build's, as the block dot products of the two builds do. */
-/* The 16-lane chains of `keys` (1..8) keys for nq heads, folded and summed into out[h * KEY_BLOCK + j]. */
-static inline __attribute__((always_inline)) void scores_of_keys(int nq, int keys, int D, const float *q,
-                                                                 const void *k, int64_t ldkv, float scale,
-                                                                 float *out, int kind) {
-    __m512 acc[SCORE_HEADS][8];
+/* scale * q . k for the keys of `nv` (1..4) vectors of 16 (vector t: element d of its keys at tiles[t] + d * 16, of
+ * `kind`), for `nq` (1..SCORE_HEADS) query heads (head h: q + h * D, into sc + h * KEY_BLOCK + 16 t): for d = 0,
+ * 1, ..., D - 1 in order, one FMA per head and vector, each key's chain in its own lane from zero, then one
+ * multiply by scale. Each step over d loads the keys once for all nq heads. */
+static inline __attribute__((always_inline)) void scores_tiles(int nq, int nv, int D, const float *q,
+                                                               const void *const *tiles, float scale, float *sc,
+                                                               int kind) {
+    __m512 acc[SCORE_HEADS][4];
     for (int h = 0; h < nq; h++)
-        for (int j = 0; j < 8; j++) acc[h][j] = _mm512_setzero_ps();
-    int d = 0;
-    for (; d + 16 <= D; d += 16) {
-        __m512 qd[SCORE_HEADS];
-        for (int h = 0; h < nq; h++) qd[h] = _mm512_loadu_ps(q + h * D + d);
-        for (int j = 0; j < keys; j++) {
-            __m512 kv = in_register(load_kv16(k, j * ldkv + d, kind, 0));
-            for (int h = 0; h < nq; h++) acc[h][j] = _mm512_fmadd_ps(qd[h], kv, acc[h][j]);
+        for (int t = 0; t < nv; t++) acc[h][t] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        __m512 kv[4];
+        for (int t = 0; t < nv; t++) kv[t] = in_register(load_kv16(tiles[t], (int64_t)d * KV_TILE, kind, 0));
+        for (int h = 0; h < nq; h++) {
+            __m512 qb = _mm512_set1_ps(q[h * D + d]);
+            for (int t = 0; t < nv; t++) acc[h][t] = _mm512_fmadd_ps(qb, kv[t], acc[h][t]);
         }
     }
-    if (d < D) {  /* 8 left */
-        __m512 qd[SCORE_HEADS];
-        for (int h = 0; h < nq; h++) qd[h] = load_q16(q + h * D + d, 1);
-        for (int j = 0; j < keys; j++) {
-            __m512 kv = load_kv16(k, j * ldkv + d, kind, 1);
-            for (int h = 0; h < nq; h++) acc[h][j] = _mm512_fmadd_ps(qd[h], kv, acc[h][j]);
-        }
-    }
-    for (int h = 0; h < nq; h++) {
-        __m256 folded[8];
-        for (int j = 0; j < 8; j++)
-            folded[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[h][j]), _mm512_extractf32x8_ps(acc[h][j], 1));
-        __m256 sums = _mm256_mul_ps(hsum8(folded), _mm256_set1_ps(scale));
-        if (keys == 8) {
-            _mm256_storeu_ps(out + h * KEY_BLOCK, sums);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, sums);
-            memcpy(out + h * KEY_BLOCK, tmp, keys * sizeof(float));
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void block_scores_heads(int nq, int D, const float *q, const void *k,
-                                                                     int64_t ldkv, int len, float scale, float *sc,
-                                                                     int kind) {
-    int i = 0;
-    for (; i + 8 <= len; i += 8) scores_of_keys(nq, 8, D, q, (const char *)k + i * ldkv * (kind == KV_F32 ? 4 : 2),
-                                                 ldkv, scale, sc + i, kind);
-    if (i < len) scores_of_keys(nq, len - i, D, q, (const char *)k + i * ldkv * (kind == KV_F32 ? 4 : 2), ldkv,
-                                scale, sc + i, kind);
+    __m512 s = _mm512_set1_ps(scale);
+    for (int h = 0; h < nq; h++)
+        for (int t = 0; t < nv; t++) _mm512_storeu_ps(sc + h * KEY_BLOCK + 16 * t, _mm512_mul_ps(acc[h][t], s));
 }
 #else
-static inline __attribute__((always_inline)) void block_scores_heads(int nq, int D, const float *q, const void *k,
-                                                                     int64_t ldkv, int len, float scale, float *sc,
-                                                                     int kind) {
-    int i = 0;
-    for (; i + 8 <= len; i += 8) {
-        __m256 acc[SCORE_HEADS][8];
-        for (int h = 0; h < nq; h++)
-            for (int j = 0; j < 8; j++) acc[h][j] = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8) {
-            __m256 qd[SCORE_HEADS];
-            for (int h = 0; h < nq; h++) qd[h] = _mm256_loadu_ps(q + h * D + d);
-            for (int j = 0; j < 8; j++) {
-                __m256 kv = load_kv8(k, (i + j) * ldkv + d, kind);
-                for (int h = 0; h < nq; h++) acc[h][j] = _mm256_fmadd_ps(qd[h], kv, acc[h][j]);
-            }
+#define SCORE_HEADS 1
+/* The same chains in 8 lanes: each vector of 16 keys is two halves, each key's chain the AVX-512 build's (FMAs
+ * over d in order from zero, then the multiply by scale), so both builds give the same scores bit for bit. */
+static inline __attribute__((always_inline)) void scores_tiles(int nq, int nv, int D, const float *q,
+                                                               const void *const *tiles, float scale, float *sc,
+                                                               int kind) {
+    (void)nq;  /* one head a call: 8 accumulators of the 16 ymm registers */
+    __m256 acc[8];
+    for (int t = 0; t < 2 * nv; t++) acc[t] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        __m256 qb = _mm256_set1_ps(q[d]);
+        for (int t = 0; t < nv; t++) {
+            acc[2 * t] = _mm256_fmadd_ps(qb, load_kv8(tiles[t], (int64_t)d * KV_TILE, kind), acc[2 * t]);
+            acc[2 * t + 1] = _mm256_fmadd_ps(qb, load_kv8(tiles[t], (int64_t)d * KV_TILE + 8, kind), acc[2 * t + 1]);
         }
-        for (int h = 0; h < nq; h++)
-            _mm256_storeu_ps(sc + h * KEY_BLOCK + i, _mm256_mul_ps(hsum8(acc[h]), _mm256_set1_ps(scale)));
     }
-    if (i < len)
-        for (int h = 0; h < nq; h++) {
-            float *sh = sc + h * KEY_BLOCK;
-            for (int t = i; t < len; t++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int d = 0; d < D; d += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), load_kv8(k, t * ldkv + d, kind), acc);
-                sh[t] = hsum256(acc) * scale;
-            }
-        }
+    __m256 s = _mm256_set1_ps(scale);
+    for (int t = 0; t < 2 * nv; t++) _mm256_storeu_ps(sc + 8 * t, _mm256_mul_ps(acc[t], s));
 }
 #endif
 
-/* The scores of all G heads of one query row over one block of keys: sc[h * KEY_BLOCK + i]. */
-static inline __attribute__((always_inline)) void group_scores(int G, int D, const float *q, const void *k,
-                                                               int64_t ldkv, int len, float scale, float *sc,
+/* scores_tiles with the vector count a constant in each branch, so each gets its own unrolled loop. */
+static inline __attribute__((always_inline)) void block_scores(int nq, int nv, int D, const float *q,
+                                                               const void *const *tiles, float scale, float *sc,
                                                                int kind) {
-    int h = 0;
+    switch (nv) {
+    case 1: scores_tiles(nq, 1, D, q, tiles, scale, sc, kind); break;
+    case 2: scores_tiles(nq, 2, D, q, tiles, scale, sc, kind); break;
+    case 3: scores_tiles(nq, 3, D, q, tiles, scale, sc, kind); break;
+    default: scores_tiles(nq, 4, D, q, tiles, scale, sc, kind); break;
+    }
+}
+
+/* The scores of all G heads of one query row over the first `len` keys of a block (its vectors in tiles):
+ * sc[h * KEY_BLOCK + i]; the lanes from len to the end of the last vector hold scores of keys past the row's (or
+ * zeros) and are never read. A key's score is the same bits whatever nq, nv, row, chunk or step computes it. */
+static inline __attribute__((always_inline)) void group_scores(int G, int D, const float *q, const void *const *tiles,
+                                                               int len, float scale, float *sc, int kind) {
+    int nv = (len + 15) / 16, h = 0;
 #if SCORE_HEADS >= 3
-    for (; h + 3 <= G; h += 3) block_scores_heads(3, D, q + h * D, k, ldkv, len, scale, sc + h * KEY_BLOCK, kind);
+    for (; h + 3 <= G; h += 3) block_scores(3, nv, D, q + h * D, tiles, scale, sc + h * KEY_BLOCK, kind);
+    for (; h + 2 <= G; h += 2) block_scores(2, nv, D, q + h * D, tiles, scale, sc + h * KEY_BLOCK, kind);
 #endif
-#if SCORE_HEADS >= 2
-    for (; h + 2 <= G; h += 2) block_scores_heads(2, D, q + h * D, k, ldkv, len, scale, sc + h * KEY_BLOCK, kind);
-#endif
-    for (; h < G; h++) block_scores_heads(1, D, q + h * D, k, ldkv, len, scale, sc + h * KEY_BLOCK, kind);
+    for (; h < G; h++) block_scores(1, nv, D, q + h * D, tiles, scale, sc + h * KEY_BLOCK, kind);
+}
+
+/* Points tiles[0..3] at the 16-key vectors of kv head `goff / D`'s keys at cache rows a .. a + 63 (`keys` of them
+ * used): in place when a is the first row of a tile (slabs start on one when their sizes are multiples of 16, as
+ * planned slab classes are), else copied lane run by lane run into `kt` (4 x D x 16 elements, zeros past `keys`).
+ * Either way element d of vector t's key j is at tiles[t] + d * 16 + j. */
+static inline __attribute__((always_inline)) void block_tiles(const char *k, int64_t a, int64_t goff, int64_t ldkv,
+                                                              int D, int keys, size_t item, char *kt,
+                                                              const void *tiles[4]) {
+    int nv = (keys + 15) / 16;
+    if (a % KV_TILE == 0) {
+        for (int t = 0; t < nv; t++) tiles[t] = k + k_tile_index(a + 16 * t, goff, ldkv) * item;
+        return;
+    }
+    memset(kt, 0, (size_t)nv * D * KV_TILE * item);
+    for (int j = 0; j < keys;) {  /* keys j .. j + run - 1 lie in one tile of the cache and one vector here */
+        int64_t row = a + j;
+        int lane = (int)(row % KV_TILE), dst = j % 16;
+        int run = KV_TILE - lane < 16 - dst ? KV_TILE - lane : 16 - dst;
+        if (run > keys - j) run = keys - j;
+        const char *src = k + k_tile_index(row, goff, ldkv) * item;
+        char *out = kt + ((size_t)(j / 16) * D * KV_TILE + dst) * item;
+        for (int d = 0; d < D; d++) memcpy(out + (size_t)d * KV_TILE * item, src + (size_t)d * KV_TILE * item,
+                                           (size_t)run * item);
+        j += run;
+    }
+    for (int t = 0; t < nv; t++) tiles[t] = kt + (size_t)t * D * KV_TILE * item;
 }
 
 /* acc[0..D) += sum_i p[i] * v_i over `len` rows of v (of `kind`): 64 columns at a time held in eight registers,
@@ -612,7 +601,10 @@ static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G,
                                                                    float *part, int64_t pstride) {
     float acc[TILE_FLOATS], m[MAX_ROW_TILE * MAX_GROUP], l[MAX_ROW_TILE * MAX_GROUP], sc[MAX_GROUP * KEY_BLOCK];
     float macc[TILE_FLOATS], mm[MAX_ROW_TILE * MAX_GROUP], ml[MAX_ROW_TILE * MAX_GROUP];  /* merged partitions */
+    char kt[4 * MAX_HEAD_DIM * KV_TILE * sizeof(float)] __attribute__((aligned(64)));  /* keys off a tile's start */
+    const void *tiles[4];
     size_t item = kind == KV_F32 ? 4 : 2;
+    int64_t row0 = first / ldkv, goff = first % ldkv;  /* the slab's first cache row; the kv head's first element */
     for (int i = 0; i < R * G; i++) {
         m[i] = mm[i] = -INFINITY;
         l[i] = ml[i] = 0.0f;
@@ -622,17 +614,21 @@ static inline __attribute__((always_inline)) void attend_rows_kind(int R, int G,
     int64_t lo = part ? p * KEY_PART : 0, hi = part ? (p + 1) * KEY_PART : n_last;
     if (hi > n_last) hi = n_last;
     for (int64_t start = lo; start < hi; start += KEY_BLOCK) {
-        const char *kb = (const char *)k + (first + start * ldkv) * item;
         const char *vb = (const char *)v + (first + start * ldkv) * item;
         int64_t left = hi - start - KEY_BLOCK;  /* keys past this block: the next block's are asked for */
-        if (left > 0) prefetch_next_block(kb, left, ldkv, D, item);
+        block_tiles((const char *)k, row0 + start, goff, ldkv, D, left > 0 ? KEY_BLOCK : (int)(hi - start), item,
+                    kt, tiles);
+        if (left > 0)  /* the next block's key vectors, each D x 16 elements in one run */
+            for (int64_t j = 0; j < left && j < KEY_BLOCK; j += 16)
+                prefetch_l2((const char *)k + k_tile_index(row0 + start + KEY_BLOCK + j, goff, ldkv) * item,
+                            (size_t)D * KV_TILE * item);
         if (!part && start > 0 && start % KEY_PART == 0)  /* a new partition: merge the last, start empty */
             next_partition(R, G, D, n0, start, m, l, acc, mm, ml, macc);
         for (int r = 0; r < R; r++) {
             int64_t n = n0 + r;
             if (start >= n) continue;
             int len = n - start < KEY_BLOCK ? (int)(n - start) : KEY_BLOCK;
-            group_scores(G, D, q + r * ldq, kb, ldkv, len, scale, sc, kind);
+            group_scores(G, D, q + r * ldq, tiles, len, scale, sc, kind);
             if (left > 0 && r == 0) prefetch_next_block(vb, left, ldkv, D, item);
             for (int h = 0; h < G; h++) {
                 int i = r * G + h;
@@ -749,7 +745,8 @@ int slabserve_slab_attention_f32(int64_t num_rows, int64_t num_seqs, int64_t num
                                  const void *v_cache, const int32_t *query_start, const int64_t *slab_offset,
                                  const int32_t *context_len, float scale, float *out, int64_t kv_kind) {
     int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-    if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads || head_dim % 8 || head_dim > MAX_HEAD_DIM)
+    if (group < 1 || group > MAX_GROUP || num_heads % num_kv_heads || head_dim % 8 || head_dim > MAX_HEAD_DIM
+        || cache_rows % KV_TILE)
         return -1;
     int64_t ldkv = num_kv_heads * head_dim, ldo = num_heads * head_dim;
     if (query_start[0] < 0 || query_start[num_seqs] > num_rows) return -2;
@@ -904,9 +901,16 @@ int slabserve_rope_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, float *q, i
     return 0;
 }
 
-/* Row t of k and v (`width` floats each) into cache row slot_mapping[t], stored as the caches' `kv_kind`; a negative
- * slot (-1: padding) skips the row. Returns 0, or -1 (having written nothing) when a slot lies past the caches'
- * num_slots rows. */
+/* One KV element of `kind` from a float (torch's rounding: to nearest even). */
+static inline void store_kv(void *cache, int64_t index, float x, int kind) {
+    if (kind == KV_F32) ((float *)cache)[index] = x;
+    else if (kind == KV_F16) ((uint16_t *)cache)[index] = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    else ((uint16_t *)cache)[index] = bf16_from_f32(x);
+}
+
+/* Row t of k and v (`width` floats each) into cache row slot_mapping[t], stored as the caches' `kv_kind`: v as a
+ * row, k into its lane of the K cache's tiles (KV_TILE); a negative slot (-1: padding) skips the row. Returns 0, or
+ * -1 (having written nothing) when a slot lies past the caches' num_slots rows. */
 int slabserve_kv_write_f32(int64_t T, int64_t width, const float *k, int64_t ldk, const float *v, int64_t ldv,
                            void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t num_slots,
                            int64_t kv_kind) {
@@ -915,31 +919,20 @@ int slabserve_kv_write_f32(int64_t T, int64_t width, const float *k, int64_t ldk
     for (int64_t t = 0; t < T; t++) {
         int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
+        const float *ks = k + t * ldk, *vs = v + t * ldv;
+        int64_t kbase = k_tile_index(slot, 0, width);
+        for (int64_t i = 0; i < width; i++) store_kv(k_cache, kbase + i * KV_TILE, ks[i], (int)kv_kind);
         if (kv_kind == KV_F32) {
-            memcpy((float *)k_cache + slot * width, k + t * ldk, width * sizeof(float));
-            memcpy((float *)v_cache + slot * width, v + t * ldv, width * sizeof(float));
+            memcpy((float *)v_cache + slot * width, vs, width * sizeof(float));
             continue;
         }
-        uint16_t *kd = (uint16_t *)k_cache + slot * width, *vd = (uint16_t *)v_cache + slot * width;
-        const float *ks = k + t * ldk, *vs = v + t * ldv;
+        uint16_t *vd = (uint16_t *)v_cache + slot * width;
         int64_t i = 0;
-        if (kv_kind == KV_F16) {
-            for (; i + 8 <= width; i += 8) {
-                __m128i kh = _mm256_cvtps_ph(_mm256_loadu_ps(ks + i), _MM_FROUND_TO_NEAREST_INT);
-                __m128i vh = _mm256_cvtps_ph(_mm256_loadu_ps(vs + i), _MM_FROUND_TO_NEAREST_INT);
-                _mm_storeu_si128((__m128i *)(kd + i), kh);
-                _mm_storeu_si128((__m128i *)(vd + i), vh);
-            }
-            for (; i < width; i++) {
-                kd[i] = _cvtss_sh(ks[i], _MM_FROUND_TO_NEAREST_INT);
-                vd[i] = _cvtss_sh(vs[i], _MM_FROUND_TO_NEAREST_INT);
-            }
-        } else {
-            for (; i < width; i++) {
-                kd[i] = bf16_from_f32(ks[i]);
-                vd[i] = bf16_from_f32(vs[i]);
-            }
-        }
+        if (kv_kind == KV_F16)
+            for (; i + 8 <= width; i += 8)
+                _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(vs + i),
+                                                                      _MM_FROUND_TO_NEAREST_INT));
+        for (; i < width; i++) store_kv(v_cache, slot * width + i, vs[i], (int)kv_kind);
     }
     return 0;
 }

@@ -354,21 +354,23 @@ def prepare_slab_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch they sit in. Without the native kernels, or for a layout it does not take (fp32 activations only, head_dim
     a multiple of 8 up to 256, at most 16 query heads per kv head), the reference does all of it."""
     args = (q, k_cache, v_cache, query_start, slab_offset, context_len, scale, out, workspace)
-    if not (_native_f32(q, out) and _native_kv(k_cache, v_cache) and _attention_layout_ok(q, k_cache)):
+    if not (_native_f32(q, out) and _native_kv(k_cache, v_cache) and _attention_layout_ok(q, k_cache)
+            and contracts.k_tiled(k_cache)):
         return reference.prepare_slab_prefill_attention(*args)
     contracts.check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out, workspace)
     num_heads, head_dim = q.shape[1], q.shape[2]
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
     call = _bind((q, k_cache, v_cache, query_start, slab_offset, context_len, out),
                  lib.slabserve_slab_attention_f32, q.shape[0], slab_offset.shape[0], num_heads, k_cache.shape[1],
-                 head_dim, k_cache.shape[0], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                 head_dim, contracts.kv_cache_rows(k_cache), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                 v_cache.data_ptr(),
                  query_start.data_ptr(), slab_offset.data_ptr(), context_len.data_ptr(), scale, out.data_ptr(),
                  KV_KINDS[k_cache.dtype])
 
     def run() -> None:
         if call() < 0:
             raise ValueError(f"slab_attention: query_start, slab_offset or context_len point outside the "
-                             f"{q.shape[0]} rows of q or past the caches' {k_cache.shape[0]} rows")
+                             f"{q.shape[0]} rows of q or past the caches' {contracts.kv_cache_rows(k_cache)} rows")
 
     return _checked(call, run)
 
@@ -455,17 +457,18 @@ def prepare_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
 def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> Callable[[], None]:
     if not (_native_f32(k, v) and _native_kv(k_cache, v_cache) and _heads_packed(k) and _heads_packed(v)
-            and slot_mapping.stride(0) == 1):
+            and slot_mapping.stride(0) == 1 and contracts.k_tiled(k_cache)):
         return reference.prepare_kv_write(k, v, k_cache, v_cache, slot_mapping)
     contracts.check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     lib: ctypes.CDLL = _state["lib"]  # type: ignore[assignment]
     call = _bind((k, v, k_cache, v_cache, slot_mapping), lib.slabserve_kv_write_f32, k.shape[0],
                  k.shape[1] * k.shape[2], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                 v_cache.data_ptr(), slot_mapping.data_ptr(), k_cache.shape[0], KV_KINDS[k_cache.dtype])
+                 v_cache.data_ptr(), slot_mapping.data_ptr(), contracts.kv_cache_rows(k_cache),
+                 KV_KINDS[k_cache.dtype])
 
     def run() -> None:
         if call():
-            raise ValueError(f"kv_write: a slot lies past the caches' {k_cache.shape[0]} rows")
+            raise ValueError(f"kv_write: a slot lies past the caches' {contracts.kv_cache_rows(k_cache)} rows")
 
     return _checked(call, run)
 

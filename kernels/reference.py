@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from slabserve.kernels.contracts import (
+                                         KV_TILE,
                                          PANEL,
                                          check_embed_q,
                                          check_kv_write,
@@ -36,6 +37,7 @@ from slabserve.kernels.contracts import (
                                          check_silu_mul,
                                          check_slab_decode_attention,
                                          check_slab_prefill_attention,
+                                         k_tiled,
                                          )
 
 Run = Callable[[], None]
@@ -244,6 +246,14 @@ def prepare_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
     """
     check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     same_dtype = k.dtype == k_cache.dtype  # index_copy_ takes no other (copy_ rounds into the cache's dtype)
+    if k_tiled(k_cache):  # K into its lanes of the tiles (contracts.KV_TILE), V as rows
+        def run_tiled() -> None:
+            keep = slot_mapping >= 0
+            slots = slot_mapping[keep]
+            k_cache[slots // KV_TILE, :, :, slots % KV_TILE] = k[keep].to(k_cache.dtype)
+            v_cache[slots] = v[keep].to(v_cache.dtype)
+
+        return run_tiled
 
     def run() -> None:
         slots = slot_mapping.tolist()
@@ -293,6 +303,16 @@ def prefill_workspace_numel(num_tokens: int, num_heads: int, head_dim: int, max_
 def _widened_kv_width(kv_dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> int:
     """fp32 values per cache row that attention widens into scratch: none for fp32 caches."""
     return 0 if kv_dtype == torch.float32 else num_kv_heads * head_dim
+
+
+def _k_slab(k_cache: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows start .. stop-1 of one layer's K cache (C, Hkv, D): a view of a row cache, a copy out of a tiled one."""
+    if not k_tiled(k_cache):
+        return k_cache[start:stop]
+    first, last = start // KV_TILE, -(-stop // KV_TILE)
+    tiles = k_cache[first:last]
+    rows = tiles.permute(0, 3, 1, 2).reshape((last - first) * KV_TILE, k_cache.shape[1], k_cache.shape[2])
+    return rows[start - first * KV_TILE : stop - first * KV_TILE]
 
 
 def _attend_slab(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, scale: float,
@@ -416,7 +436,8 @@ def prepare_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     check_slab_prefill_attention(q, k_cache, v_cache, query_start, slab_offset, context_len, out, workspace)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
-    fp32_caches = k_cache.dtype == torch.float32  # the decode groups gather rows into fp32 scratch as they are
+    # the decode groups gather rows into fp32 scratch as they are (rows: a tiled K is read slab by slab)
+    fp32_caches = k_cache.dtype == torch.float32 and not k_tiled(k_cache)
     widen = _widened_kv_width(k_cache.dtype, num_kv_heads, head_dim)
 
     def run() -> None:
@@ -461,7 +482,8 @@ def prepare_slab_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                 raise ValueError(f"slab_prefill_attention: workspace holds {capacity} fp32 values, sequence {s} "
                                  f"({end - begin} rows over {context} keys) needs {need}")
             slab = slice(offsets[s], offsets[s] + context)
-            _attend_slab(q[begin:end], k_cache[slab], v_cache[slab], scale, out[begin:end], scratch)
+            _attend_slab(q[begin:end], _k_slab(k_cache, slab.start, slab.stop), v_cache[slab], scale,
+                         out[begin:end], scratch)
             s += 1
 
     return run
@@ -491,6 +513,7 @@ def slab_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             out[s].zero_()
             continue
         slab = slice(offset, offset + context)
-        _attend_slab(q[s:s + 1], k_cache[slab], v_cache[slab], scale, out[s:s + 1], scratch)
+        _attend_slab(q[s:s + 1], _k_slab(k_cache, slab.start, slab.stop), v_cache[slab], scale, out[s:s + 1],
+                     scratch)
     return out
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from slabserve.kernels import cpu_native
+from slabserve.kernels import contracts, cpu_native
 from slabserve.runtime.admission import prefill_pairs
 from slabserve.runtime.arena import committed_zeros
 from slabserve.runtime.bundle_checks import (DTYPES, PlanMismatchError, check_fingerprints, check_gemm_runs_here,
@@ -39,7 +39,7 @@ from slabserve.runtime.scheduler import FinishReason, InvalidRequestError, Reque
 from slabserve.runtime.slab_allocator import SlabClass
 from slabserve.runtime.step import SeqChunk, StepInputs
 from slabserve.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from slabserve.runtime.trace import export_step
+from slabserve.runtime.trace import export_step, k_cache_tiled, kv_rows_for
 
 if TYPE_CHECKING:
     from slabserve.runtime.ranks import RankGroup
@@ -155,6 +155,27 @@ PAIR_PROBE_ROWS = 64
 PAIR_PROBE_DEPTH = 2048
 
 
+def copy_cache_rows(cache: torch.Tensor, src: int, dst: int, rows: int, tiled: bool) -> None:
+    """Rows src .. src+rows-1 of every layer of `cache` (L, N, Hkv, D) onto dst .. dst+rows-1 (the two runs apart),
+    or of a tiled K cache (L, N / KV_TILE, Hkv, D, KV_TILE): whole tiles where both runs are at a tile's start (a
+    slab's prefix onto another slab's, when slab sizes are multiples of KV_TILE), else the lanes of one tile at a
+    time. Views only, no new storage."""
+    if not tiled:
+        cache[:, dst : dst + rows].copy_(cache[:, src : src + rows])
+        return
+    tile, done = contracts.KV_TILE, 0
+    while done < rows:
+        s, d = src + done, dst + done
+        if s % tile == 0 and d % tile == 0 and rows - done >= tile:
+            n = (rows - done) // tile
+            cache[:, d // tile : d // tile + n].copy_(cache[:, s // tile : s // tile + n])
+            done += n * tile
+            continue
+        n = min(tile - s % tile, tile - d % tile, rows - done)
+        cache[:, d // tile, ..., d % tile : d % tile + n].copy_(cache[:, s // tile, ..., s % tile : s % tile + n])
+        done += n
+
+
 class KVCommit:
     """The K and V caches of `shape` and `dtype`, committed (runtime.arena) on a thread of their own that ends when
     they are: the page faults run in the kernel beside the caller's Python, which holds the GIL (madvise does not).
@@ -221,13 +242,16 @@ class Engine:
         blocks = source_blocks(source, config.weight_format, self.gemm, self.device.type, config.dtype)
         self.step_fn = build_step(source, self.dtype, rope_positions=max_slab, device=self.device,
                                   gemm=self.gemm, blocks=blocks)  # one weight arena
-        rows = sum(k.tokens * k.count for k in config.classes) + sum(len(ids) for _, ids in config.prefixes)
+        rows = kv_rows_for(sum(k.tokens * k.count for k in config.classes)
+                           + sum(len(ids) for _, ids in config.prefixes))
         kv_shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)  # (L, N, Hkv, D)
         caches = kv_arena.result() if kv_arena is not None else None
         if caches is None or any(t.shape != kv_shape or t.dtype != self.kv_dtype for t in caches):
             caches = KVCommit(kv_shape, self.kv_dtype).result() if self.device.type == "cpu" else tuple(
                 torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device) for _ in range(2))
-        self.k_cache, self.v_cache = caches
+        self.k_tiled = k_cache_tiled(c, self.device.type, self.dtype, self.kv_dtype)
+        # K in tiles where the native attention reads it so (the same bytes: a view of the rows committed)
+        self.k_cache, self.v_cache = caches[0].view(contracts.k_cache_shape(kv_shape, self.k_tiled)), caches[1]
         self.inputs = {b: StepInputs(b, config.max_seqs, self.device) for b in buckets}
         if ranks is not None:
             ranks.bind(buckets, config.max_seqs)
@@ -398,8 +422,8 @@ class Engine:
         """KV rows src .. src+rows-1 onto dst .. dst+rows-1 in every layer: views of the arena, no new storage."""
         if self.ranks is not None and self.ranks.leads:
             self.ranks.send_copy(src, dst, rows)
-        for cache in (self.k_cache, self.v_cache):
-            cache[:, dst : dst + rows].copy_(cache[:, src : src + rows])
+        copy_cache_rows(self.k_cache, src, dst, rows, self.k_tiled)
+        copy_cache_rows(self.v_cache, src, dst, rows, False)
 
     def _run_step(self, bucket: int) -> torch.Tensor:
         """The step of `bucket` on its filled inputs: logits (R, V) (R = runtime.step.logits_rows), a view into the

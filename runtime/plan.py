@@ -24,6 +24,9 @@ from typing import Any
 
 import msgpack
 
+from slabserve.kernels.contracts import KV_TILE
+from slabserve.runtime.units import round_up
+
 SCHEMA = "slabserve.plan"
 SCHEMA_VERSION = 5  # 2: target.requires; 3: engine.prefix_reuse, kv.prefixes; 4: engine.weight_format(_note),
 #                     weights.entries[].block_type; 5: parallel, staging.collective_bytes
@@ -620,7 +623,9 @@ def _check_kv(kv: KVArena, model: ModelSummary, engine: EngineSection, degree: i
         _need(p.kv_bytes == len(p.token_ids) * kv.bytes_per_token, f"{where}.kv_bytes: is not tokens * "
                                                                     f"bytes_per_token")
         row += len(p.token_ids)
-    _need(row == kv.rows, f"kv.rows: {kv.rows}, but the slabs and declared prefixes end at row {row}")
+    _need(kv.rows == round_up(row, KV_TILE),
+          f"kv.rows: {kv.rows}, but the slabs and declared prefixes end at row {row} (rounded up to a multiple of "
+          f"{KV_TILE}: {round_up(row, KV_TILE)})")
     _need(sum(c.count for c in kv.classes) <= engine.max_seqs, "kv.classes: more slabs than max_seqs")
 
 

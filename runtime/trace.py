@@ -25,9 +25,11 @@ from torch import fx
 from torch.export import ExportedProgram
 
 import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
+from slabserve.kernels import contracts, cpu_native
 from slabserve.runtime.config import ModelConfig
 from slabserve.runtime.model import LlamaStep, empty_packed
 from slabserve.runtime.step import logits_rows
+from slabserve.runtime.units import round_up
 
 
 class NodeKind(enum.Enum):
@@ -95,37 +97,55 @@ def meta_step(config: ModelConfig, dtype: torch.dtype = torch.float32, rope_posi
         return LlamaStep(config, empty_packed(config, dtype, gemm, blocks), rope_positions, gemm=gemm, blocks=blocks)
 
 
+def k_cache_tiled(config: ModelConfig, device_type: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether a step on `device_type` keeps its K cache in tiles (kernels.contracts.KV_TILE): on CPU, where its
+    slab_attention takes the native kernel, which reads K only so. Elsewhere (CUDA's Triton kernels, the CPU
+    reference) K is rows, like V."""
+    return device_type == "cpu" and cpu_native.attention_runs_natively(dtype, kv_dtype, config.num_heads,
+                                                                       config.num_kv_heads, config.head_dim)
+
+
+def kv_rows_for(tokens: int) -> int:
+    """Rows of a KV arena whose slabs and declared prefixes take `tokens` rows: a whole number of K tiles, so that a
+    tiled K cache and the row caches hold the same rows (at most KV_TILE - 1 of them unused)."""
+    return round_up(tokens, contracts.KV_TILE)
+
+
 def step_example_inputs(config: ModelConfig, num_tokens: int, max_seqs: int, kv_rows: int,
-                        dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                        dtype: torch.dtype, device: torch.device | str = "cpu",
+                        k_tiled: bool = False) -> dict[str, torch.Tensor]:
     """Inputs of the step's signature at one bucket's shapes (padding values), for tracing; `dtype` is the KV
-    caches' (the plan's kv_dtype)."""
+    caches' (the plan's kv_dtype); `k_tiled`: the K cache in tiles (k_cache_tiled), kv_rows rounded up to them."""
     c = config
     def z(n: int, dt: torch.dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dt, device=device)
+    if k_tiled:
+        kv_rows = kv_rows_for(kv_rows)
     kv = (c.num_layers, kv_rows, c.num_kv_heads, c.head_dim)
     return {"input_ids": z(num_tokens, torch.int64), "positions": z(num_tokens, torch.int64),
             "slot_mapping": torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
             "query_start": z(max_seqs + 1, torch.int32), "slab_offset": z(max_seqs, torch.int64),
             "context_len": z(max_seqs, torch.int32), "logits_indices": z(logits_rows(num_tokens, max_seqs), torch.int64),
-            "k_cache": torch.zeros(kv, dtype=dtype, device=device), "v_cache": torch.zeros(kv, dtype=dtype, device=device)}
+            "k_cache": torch.zeros(contracts.k_cache_shape(kv, k_tiled), dtype=dtype, device=device),
+            "v_cache": torch.zeros(kv, dtype=dtype, device=device)}
 
 
 def export_step(step_module: LlamaStep, num_tokens: int, max_seqs: int, kv_rows: int,
                 device: torch.device | str = "cpu",
                 kv_caches: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_dtype: torch.dtype | None = None) -> ExportedProgram:
+                kv_dtype: torch.dtype | None = None, k_tiled: bool = False) -> ExportedProgram:
     """Export the step for a bucket of `num_tokens` tokens and `max_seqs` sequences over `kv_rows` KV rows.
 
     Weights stay where the module has them (a meta step traces on `meta` inputs whatever `device` says).
     `kv_caches`: the engine's own KV arena, used as the example caches so that tracing allocates no second one
     (the exported program keeps its example inputs alive). `kv_dtype`: the example caches' dtype when none are
-    given (default: the weights')."""
+    given (default: the weights'). `k_tiled`: the example K cache in tiles (k_cache_tiled), when none is given."""
     weight = step_module.weight("embed")
     if weight.device.type == "meta":
         device = "meta"
     kv_rows_here = 0 if kv_caches is not None else kv_rows
     inputs = step_example_inputs(step_module.config, num_tokens, max_seqs, kv_rows_here, kv_dtype or weight.dtype,
-                                 device)
+                                 device, k_tiled)
     if kv_caches is not None:
         inputs["k_cache"], inputs["v_cache"] = kv_caches
     with torch.no_grad():

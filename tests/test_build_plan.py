@@ -129,7 +129,8 @@ def _run_with_plan(folder: Path, plan) -> None:
     from slabserve.runtime.loader import open_model
     from slabserve.runtime.model import build_step
     from slabserve.runtime.step import SeqChunk, StepInputs
-    from slabserve.runtime.trace import export_step, graph_fingerprint
+    from slabserve.kernels.contracts import k_cache_shape
+    from slabserve.runtime.trace import export_step, graph_fingerprint, k_cache_tiled
 
     from slabserve.runtime.plan import config_fingerprint
 
@@ -138,7 +139,8 @@ def _run_with_plan(folder: Path, plan) -> None:
     assert plan.fingerprints.model_config == config_fingerprint(source.config)
     assert plan.fingerprints.weights == source.content_hash()
     step = build_step(source, torch.float32, rope_positions=e.rope_positions)
-    programs = {b: export_step(step, b, e.max_seqs, plan.kv.rows) for b in e.buckets}
+    tiled = k_cache_tiled(source.config, "cpu", torch.float32, torch.float32)  # the K layout the plan traced
+    programs = {b: export_step(step, b, e.max_seqs, plan.kv.rows, k_tiled=tiled) for b in e.buckets}
     for layout in plan.activations.buckets:
         assert graph_fingerprint(programs[layout.tokens]) == layout.graph_fingerprint, layout.tokens
     executor = PlannedExecutor.allocate(programs, ActivationPlan(plan.activations.arena_bytes,
@@ -148,9 +150,9 @@ def _run_with_plan(folder: Path, plan) -> None:
     inputs = StepInputs(e.step_tokens, e.max_seqs)
     inputs.fill([SeqChunk(slab_offset=c.row_offset, start_pos=0, token_ids=[3 + i, 5, 7])
                  for i, c in enumerate(plan.kv.classes[:2])])
-    caches = [torch.zeros(kv_shape), torch.zeros(kv_shape)]
+    caches = [torch.zeros(k_cache_shape(kv_shape, tiled)), torch.zeros(kv_shape)]
     planned = executor.run(e.step_tokens, inputs.tensors(), *caches).clone()
-    caches = [torch.zeros(kv_shape), torch.zeros(kv_shape)]
+    caches = [torch.zeros(k_cache_shape(kv_shape, tiled)), torch.zeros(kv_shape)]
     eager = step(**inputs.tensors(), k_cache=caches[0], v_cache=caches[1])
     torch.testing.assert_close(planned, eager)
 

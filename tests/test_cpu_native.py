@@ -18,7 +18,7 @@ import torch
 
 import slabserve.kernels.ops  # noqa: F401  (registers torch.ops.slabserve.*)
 from slabserve.kernels import cpu_native, reference
-from slabserve.kernels.contracts import PANEL, panel_shape
+from slabserve.kernels.contracts import KV_TILE, PANEL, k_rows, k_tiles, panel_shape
 from slabserve.runtime.executor import allocations
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +28,14 @@ needs_native = pytest.mark.skipif(not cpu_native.available(),
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _tiled(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row caches as the native kernels take them: K tiled (contracts.KV_TILE), both padded with zero rows to a whole
+    number of tiles."""
+    pad = -k_cache.shape[0] % KV_TILE
+    k_cache, v_cache = (torch.cat([c, c.new_zeros(pad, *c.shape[1:])]) for c in (k_cache, v_cache))
+    return k_tiles(k_cache), v_cache
 
 
 # ---------------------------------------------------------------------------------------------------- linear
@@ -102,7 +110,8 @@ def test_linear_opcheck():
 
 
 def _attention_case(seed: int):
-    """A random flat step: sequences of 0 to 40 rows (padding ones with no keys among them) over their slabs."""
+    """A random flat step: sequences of 0 to 40 rows (padding ones with no keys among them) over their slabs, every
+    100 rows (most of them off a K tile's start), K tiled."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     heads, kv_heads, head_dim = rng.choice([(9, 3, 64), (4, 4, 16), (8, 2, 32), (6, 1, 8)])
@@ -111,8 +120,8 @@ def _attention_case(seed: int):
     rows = sum(q_lens) + rng.randint(0, 3)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)  # q is a slice of a fused row
     q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
-    k_cache = torch.randn(100 * len(q_lens), kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(100 * len(q_lens), kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = _tiled(torch.randn(100 * len(q_lens), kv_heads, head_dim, generator=gen),
+                              torch.randn(100 * len(q_lens), kv_heads, head_dim, generator=gen))
     query_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     slab_offset = torch.arange(len(q_lens), dtype=torch.int64) * 100
     context_len = torch.tensor(contexts, dtype=torch.int32)
@@ -163,14 +172,17 @@ def test_native_attention_rows_do_not_depend_on_chunking_or_batch(kv_dtype, head
     gen = torch.Generator().manual_seed(heads)
     n, offset = 150, 200
     q = torch.randn(n, heads, head_dim, generator=gen)
-    k_cache = torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    k_rows_, v_rows = (torch.randn(offset + 8 + n, kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in "kv")
+    k_cache, v_cache = _tiled(k_rows_, v_rows)
     whole = _attend_pieces(q, k_cache, v_cache, [n], offset, 0, gen)
     for pieces, others in (([64, 86], 3), ([7, 1, 100, 42], 1), ([1] * 20 + [130], 5), ([149, 1], 0)):
         got = _attend_pieces(q, k_cache, v_cache, pieces, offset, others, gen)
         assert torch.equal(got, whole), f"rows differ when the prompt runs as {pieces} beside {others} others"
+    # the same keys 8 rows on, from a K tile's start (200 is 8 rows past one): read in place, not gathered
+    k_moved, v_moved = _tiled(torch.cat([k_rows_[:8], k_rows_[:-8]]), torch.cat([v_rows[:8], v_rows[:-8]]))
+    assert torch.equal(_attend_pieces(q, k_moved, v_moved, [64, 86], offset + 8, 3, gen), whole)
     query_start = torch.tensor([0, n], dtype=torch.int32)
-    want = reference.slab_prefill_attention_ref(q, k_cache.float(), v_cache.float(), query_start,
+    want = reference.slab_prefill_attention_ref(q, k_rows_.float(), v_rows.float(), query_start,
                                                 torch.tensor([offset]), torch.tensor([n], dtype=torch.int32),
                                                 head_dim ** -0.5, torch.empty_like(q))
     torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)
@@ -191,14 +203,14 @@ def test_rows_past_a_key_partition_are_the_same_split_across_threads_or_not(kv_d
         gen = torch.Generator().manual_seed(head_dim)
         n, offset, tail = 1150, 40, 24
         q = torch.randn(n, heads, head_dim, generator=gen)
-        k_cache = torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype)
-        v_cache = torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype)
+        k_rows_, v_rows = (torch.randn(offset + n, kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in "kv")
+        k_cache, v_cache = _tiled(k_rows_, v_rows)
         whole = _attend_pieces(q, k_cache, v_cache, [n], offset, 0, gen)
         for pieces, others in (([n - tail] + [1] * tail, 0), ([n - tail] + [1] * tail, 1),
                                ([n - tail] + [1] * tail, 6), ([300, 212, 1, 600, 37], 2)):
             got = _attend_pieces(q, k_cache, v_cache, pieces, offset, others, gen)
             assert torch.equal(got, whole), f"rows differ when the prompt runs as {pieces} beside {others} others"
-        want = reference.slab_prefill_attention_ref(q, k_cache.float(), v_cache.float(),
+        want = reference.slab_prefill_attention_ref(q, k_rows_.float(), v_rows.float(),
                                                     torch.tensor([0, n], dtype=torch.int32), torch.tensor([offset]),
                                                     torch.tensor([n], dtype=torch.int32), head_dim ** -0.5,
                                                     torch.empty_like(q))
@@ -211,8 +223,8 @@ def test_rows_past_a_key_partition_are_the_same_split_across_threads_or_not(kv_d
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(6))
 def test_half_precision_caches_attend_as_their_fp32_widening(kv_dtype, seed):
-    """A plan's kv_dtype on CPU: the native kernel and the reference (widening the slab into scratch) over bf16/fp16
-    caches equal attention over the same caches widened to fp32, allocating nothing."""
+    """A plan's kv_dtype on CPU: the native kernel (K tiled) and the reference (row caches, widening the slab into
+    scratch) over bf16/fp16 caches equal attention over the same caches widened to fp32, allocating nothing."""
     (q, k_cache, v_cache, *meta), _ = _attention_case(seed)
     half_k, half_v = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     rows, heads, head_dim = q.shape
@@ -224,7 +236,7 @@ def test_half_precision_caches_attend_as_their_fp32_widening(kv_dtype, seed):
     assert allocations(run, steps=2) == []
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     ref_only = torch.full_like(q, 7.0)
-    run = reference.prepare_slab_prefill_attention(q, half_k, half_v, *meta, ref_only, workspace)
+    run = reference.prepare_slab_prefill_attention(q, k_rows(half_k), half_v, *meta, ref_only, workspace)
     assert allocations(run, steps=2) == []
     torch.testing.assert_close(ref_only, want, rtol=1e-5, atol=1e-5)
 
@@ -235,11 +247,11 @@ def test_kv_write_rounds_into_half_caches_as_torch_does(kv_dtype):
     _, _, k, v = _qkv(9, 4, 2, 20, seed=8)
     k[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 1e-40, 65519.0])  # specials, subnormal, fp16 edge
     slots = torch.tensor([3, -1, 0, 7, 8, 9, 10, 11, 1])
-    ours = [torch.full((12, 2, 20), 7.0, dtype=kv_dtype) for _ in range(2)]
-    theirs = [c.clone() for c in ours]
+    theirs = [torch.full((16, 2, 20), 7.0, dtype=kv_dtype) for _ in range(2)]
+    ours = list(_tiled(*theirs))
     cpu_native.prepare_kv_write(k, v, *ours, slots)()
     reference.kv_write_ref(k, v, *theirs, slots)
-    assert torch.equal(ours[0].view(torch.int16), theirs[0].view(torch.int16))  # bit for bit
+    assert torch.equal(k_rows(ours[0]).view(torch.int16), theirs[0].view(torch.int16))  # bit for bit
     assert torch.equal(ours[1].view(torch.int16), theirs[1].view(torch.int16))
     assert torch.equal(theirs[0][3], k[0].to(kv_dtype)) and torch.equal(theirs[0][0], k[2].to(kv_dtype))
     assert (theirs[0][2] == 7.0).all()  # a row no slot names is untouched
@@ -339,11 +351,15 @@ def test_native_rope_and_kv_write_match_references(rows, heads, kv_heads, head_d
     cpu_native.prepare_rope(q, k, positions, cos_sin)()
     reference.rope_ref(q2, k2, positions, cos_sin)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
-    slots = torch.tensor([(7 * t) % 40 if t % 3 else -1 for t in range(rows)])
-    caches = [torch.full((40, kv_heads, head_dim), 7.0) for _ in range(4)]
+    slots = torch.tensor([(7 * t) % 48 if t % 3 else -1 for t in range(rows)])
+    caches = [torch.full((48, kv_heads, head_dim), 7.0) for _ in range(4)]
+    caches[0], caches[1] = _tiled(caches[0], caches[1])
     cpu_native.prepare_kv_write(k, v, caches[0], caches[1], slots)()
     reference.kv_write_ref(k, v, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(k_rows(caches[0]), caches[2]) and torch.equal(caches[1], caches[3])
+    tiled_ref = list(_tiled(torch.full((48, kv_heads, head_dim), 7.0), torch.full((48, kv_heads, head_dim), 7.0)))
+    reference.kv_write_ref(k, v, *tiled_ref, slots)  # the reference into a tiled K: the same rows
+    assert torch.equal(tiled_ref[0], caches[0]) and torch.equal(tiled_ref[1], caches[1])
 
 
 @needs_native
@@ -353,14 +369,14 @@ def test_native_ops_refuse_metadata_outside_their_buffers_and_write_nothing():
     with pytest.raises(ValueError, match="rope: a position lies outside the rope table's 10 rows"):
         cpu_native.prepare_rope(q, k, torch.tensor([0, 1, 10, 2]), torch.randn(10, 8))()
     assert torch.equal(k, before)
-    caches = torch.zeros(6, 2, 8), torch.zeros(6, 2, 8)
-    with pytest.raises(ValueError, match="kv_write: a slot lies past the caches' 6 rows"):
-        cpu_native.prepare_kv_write(k, v, *caches, torch.tensor([0, 1, 6, -1]))()
+    caches = _tiled(torch.zeros(16, 2, 8), torch.zeros(16, 2, 8))
+    with pytest.raises(ValueError, match="kv_write: a slot lies past the caches' 16 rows"):
+        cpu_native.prepare_kv_write(k, v, *caches, torch.tensor([0, 1, 16, -1]))()
     assert not caches[0].any() and not caches[1].any()
     out = torch.full_like(q, 7.0)
     with pytest.raises(ValueError, match="slab_attention: query_start, slab_offset or context_len point outside"):
         cpu_native.prepare_slab_attention(q, *caches, torch.tensor([0, 1, 2], dtype=torch.int32),
-                                          torch.tensor([0, 3]), torch.tensor([1, 5], dtype=torch.int32), 0.3, out)()
+                                          torch.tensor([0, 13]), torch.tensor([1, 5], dtype=torch.int32), 0.3, out)()
     assert (out == 7.0).all()
 
 
@@ -378,7 +394,8 @@ def test_native_kernels_allocate_nothing():
             cpu_native.prepare_rms_norm(x, torch.rand(64), 1e-6, torch.empty(8, 64)),
             cpu_native.prepare_silu_mul(x, torch.empty(8, 32)),
             cpu_native.prepare_rope(q2, k2, torch.arange(8), torch.randn(8, 16)),
-            cpu_native.prepare_kv_write(k2, v2, torch.zeros(9, 2, 16), torch.zeros(9, 2, 16), torch.arange(8))]
+            cpu_native.prepare_kv_write(k2, v2, *_tiled(torch.zeros(9, 2, 16), torch.zeros(9, 2, 16)),
+                                        torch.arange(8))]
     assert allocations(lambda: [run() for run in runs], steps=5) == []
 
 
@@ -393,8 +410,8 @@ def _every_op(seed: int) -> tuple[list, list[torch.Tensor]]:
     (q, k, v, qs, so, cl, scale), workspace = _attention_case(seed)
     _, q2, k2, v2 = _qkv(8, 4, 2, 16, seed=seed)
     blocks = random_rows("Q4_1", 24, 64, seed=seed)
-    outs = [torch.empty(8, 40), torch.empty_like(q), torch.empty(8, 64), torch.empty(8, 32), torch.zeros(9, 2, 16),
-            torch.zeros(9, 2, 16), torch.empty(8, 24), torch.empty(3, 64)]
+    outs = [torch.empty(8, 40), torch.empty_like(q), torch.empty(8, 64), torch.empty(8, 32),
+            *_tiled(torch.zeros(9, 2, 16), torch.zeros(9, 2, 16)), torch.empty(8, 24), torch.empty(3, 64)]
     runs = [cpu_native.prepare_linear(x, panels, outs[0], res),
             cpu_native.prepare_slab_attention(q, k, v, qs, so, cl, scale, outs[1], workspace),
             cpu_native.prepare_rms_norm(x, torch.rand(64, generator=gen), 1e-6, outs[2]),
@@ -424,7 +441,7 @@ def test_fused_calls_compute_each_calls_bits_in_one_foreign_call_and_allocate_no
 def test_a_call_refused_inside_a_fused_run_raises_its_own_error_after_the_calls_before_it():
     _, q, k, v = _qkv(4, 4, 2, 8, seed=5)
     x, norm = torch.randn(4, 8), torch.full((4, 8), 7.0)
-    caches = torch.zeros(6, 2, 8), torch.zeros(6, 2, 8)
+    caches = _tiled(torch.zeros(6, 2, 8), torch.zeros(6, 2, 8))
     before = k.clone()
     calls = cpu_native.fuse_calls([cpu_native.prepare_rms_norm(x, torch.ones(8), 1e-6, norm),
                                    cpu_native.prepare_rope(q, k, torch.tensor([0, 1, 10, 2]), torch.randn(10, 8)),

@@ -9,6 +9,7 @@ import pytest
 
 from _served_process import SERVING, TINY_CLASSES, ServerProcess, build_tiny_bundle, health
 from slabserve.compiler.tools import inspect
+from slabserve.kernels.contracts import KV_TILE
 from slabserve.proto.slabserve.v1 import serving_pb2 as pb
 from slabserve.proto.slabserve.v1 import serving_pb2_grpc as pb_grpc
 from slabserve.runtime.plan import read_plan_and_id
@@ -56,7 +57,8 @@ def test_the_plan_records_each_prefix_its_tokens_rows_and_bytes(bundles):
     assert (assistant.name, assistant.token_ids, assistant.row_offset) == ("assistant", tuple(system_ids), slab_rows)
     assert (greeting.name, greeting.token_ids) == ("greeting", tuple(greeting_ids))
     assert greeting.row_offset == slab_rows + len(system_ids)
-    assert plan.kv.rows == slab_rows + len(system_ids) + len(greeting_ids)
+    declared_end = slab_rows + len(system_ids) + len(greeting_ids)  # then unused rows to a whole K tile
+    assert plan.kv.rows == -(-declared_end // KV_TILE) * KV_TILE and plan.kv.rows - declared_end < KV_TILE
     assert assistant.kv_bytes == len(system_ids) * plan.kv.bytes_per_token
     assert plan.engine.prefix_reuse
     shown = inspect(plan, plan_id)

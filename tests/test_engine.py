@@ -178,3 +178,22 @@ def test_the_thread_that_builds_an_engine_keeps_no_openmp_team(tmp_path):
     if not out["freed"]:
         pytest.skip("the OpenMP runtime is not libgomp")
     assert out["ended"] == set(), f"{len(out['ended'])} OpenMP worker(s) of the building thread were still there"
+
+
+@pytest.mark.parametrize("src,dst,rows", [(0, 64, 40), (3, 70, 29), (16, 70, 50), (40, 8, 1), (5, 90, 0),
+                                          (32, 80, 16)])
+def test_copied_cache_rows_are_the_same_rows_whether_k_is_tiled_or_not(src, dst, rows):
+    """Prefix reuse copies a slab's rows to another slab, or a declared prefix's rows (any offset) to a slab: the
+    tiled K cache must end up holding, row for row, what a row cache does after the same copy."""
+    import torch
+
+    from slabserve.kernels.contracts import k_rows, k_tiles
+    from slabserve.runtime.engine import copy_cache_rows
+
+    rows_cache = torch.randn(2, 128, 3, 8)  # (L, N, Hkv, D)
+    before = rows_cache.clone()
+    tiled_cache = torch.stack([k_tiles(layer) for layer in rows_cache])
+    copy_cache_rows(rows_cache, src, dst, rows, tiled=False)
+    copy_cache_rows(tiled_cache, src, dst, rows, tiled=True)
+    assert torch.equal(torch.stack([k_rows(layer) for layer in tiled_cache]), rows_cache)
+    assert torch.equal(rows_cache[:, dst : dst + rows], before[:, src : src + rows])

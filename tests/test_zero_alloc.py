@@ -18,7 +18,8 @@ from slabserve.runtime.model import build_step
 from slabserve.runtime.sampler import Sampler, SamplingParams, make_generator
 from slabserve.runtime.slab_allocator import SlabClass
 from slabserve.runtime.step import SeqChunk, StepInputs
-from slabserve.runtime.trace import export_step
+from slabserve.kernels.contracts import k_cache_shape
+from slabserve.runtime.trace import export_step, k_cache_tiled
 
 BUCKETS, MAX_SEQS, KV_ROWS, STEADY_STEPS = (1, 4), 2, 128, 200
 
@@ -27,10 +28,11 @@ def tiny_executor(folder, device="cpu"):
     source = open_model(make_hf_model(folder, "llama"))
     c = source.config
     step = build_step(source, torch.float32, rope_positions=KV_ROWS).to(device)
-    programs = {b: export_step(step, b, MAX_SEQS, KV_ROWS, device) for b in BUCKETS}
+    tiled = k_cache_tiled(c, torch.device(device).type, torch.float32, torch.float32)  # as the Engine keeps K
+    programs = {b: export_step(step, b, MAX_SEQS, KV_ROWS, device, k_tiled=tiled) for b in BUCKETS}
     executor = PlannedExecutor.allocate(programs, plan_sequential(programs), device)
-    k = torch.zeros(c.num_layers, KV_ROWS, c.num_kv_heads, c.head_dim, device=device)  # (L, N, Hkv, D)
-    return c, executor, k, torch.zeros_like(k)
+    v = torch.zeros(c.num_layers, KV_ROWS, c.num_kv_heads, c.head_dim, device=device)  # (L, N, Hkv, D)
+    return c, executor, torch.zeros(k_cache_shape(tuple(v.shape), tiled), device=device), v
 
 
 @pytest.fixture(scope="module")

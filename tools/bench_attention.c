@@ -42,7 +42,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     int seqs = decode ? rows : 1;
-    int64_t slab = keys + 64, cache = (int64_t)seqs * slab;
+    int64_t slab = (keys + 64 + 15) / 16 * 16, cache = (int64_t)seqs * slab;  /* slabs start on K tiles, as planned */
     float *q = random_floats((size_t)rows * H * D), *k = random_floats((size_t)cache * Hkv * D);
     float *v = random_floats((size_t)cache * Hkv * D), *out = aligned_alloc(64, (size_t)rows * H * D * 4);
     int32_t *query_start = malloc(sizeof(int32_t) * (seqs + 1)), *context = malloc(sizeof(int32_t) * seqs);
