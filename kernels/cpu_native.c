@@ -525,10 +525,10 @@ static void block_softmax(int D, float *sc, int len, float *m, float *l, float *
 }
 #endif
 
-/* Asks for the cache rows of the next block, KEY_BLOCK keys past b (up to KEY_BLOCK of the `left` keys there, D
- * elements of `item` bytes each), to be brought into L2 while the current block is computed: the block's keys before its
- * scores, its values after the first row's scores, so that the requests go out in two bursts between computing
- * rather than one. A decode row reads each block once, so without this it waits on memory (one kv head reads 256 of
+/* Asks for the V rows of the next block, KEY_BLOCK keys past b (up to KEY_BLOCK of the `left` keys there, D
+ * elements of `item` bytes each), to be brought into L2 while the current block is computed: after the first row's
+ * scores, while the next block's key tiles (each D x 16 elements in one run) were asked for before them, so that the
+ * requests go out in two bursts between computing rather than one. A decode row reads each block once, so without this it waits on memory (one kv head reads 256 of
  * every 768 bytes of a SmolLM2 cache row, a pattern the hardware prefetchers did not keep up with). On an AMD EPYC
  * (Zen 4), 32 decode rows at 1,000-3,000 keys ran 1.5-1.6x faster with one burst (prefetching into L1 instead:
  * 1.05-1.1x), and 16 rows at 3,000 keys 2.8 against 3.4 ms with two; two blocks ahead was slower. Prefill chunks,
@@ -584,7 +584,8 @@ static __attribute__((noinline)) void next_partition(int R, int G, int D, int64_
 }
 
 /* `R` consecutive query rows of one sequence, each with its G heads (row r: G rows of D at q + r * ldq), over
- * the keys starting at element `first` of k/v (row stride ldkv elements, of `kind`): row r sees n0 + r keys. Each
+ * the keys starting at element `first` of v (row stride ldkv elements, of `kind`) and at the same cache row and kv
+ * head in k's tiles (KV_TILE): row r sees n0 + r keys. Each
  * block of KEY_BLOCK keys is loaded once for all R rows and G heads while it sits in L1, and every row takes the
  * blocks at the same key offsets (0, 64, 128, ...) in the same order with the same code, its partitions of KEY_PART
  * keys each from an empty state, merged in order, whatever R is and whichever row of its chunk it is: a row's result
