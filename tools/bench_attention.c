@@ -1,7 +1,8 @@
 /* The slab attention kernel alone (kernels/cpu_native.c: slabserve_slab_attention_f32) at SmolLM2-135M's head
  * layout (9 query heads, 3 kv heads, head_dim 64, fp32 KV) or another: one prefill chunk at the end of a long
  * context, or a batch of decode rows, each its own sequence with its own slab (more than the last-level cache holds
- * at thousands of keys, as in a served decode step).
+ * at thousands of keys, as in a served decode step). K is the kernel's tiled cache (KV_TILE keys a tile), each slab
+ * starting on a tile as planned slabs do; its values are random, so the layout changes nothing but the reads.
  *
  *     gcc -O3 -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq -ffp-contract=off -fopenmp -I. \
  *         -DKERNELS='"kernels/cpu_native.c"' tools/bench_attention.c -o /tmp/battn -lm
