@@ -422,8 +422,11 @@ def test_sigterm_drains_running_streams_then_exits_0(tmp_path):
         # The target is 20 s (about 11 s measured on this 2-core machine when idle); the bound here only catches a
         # pathological start, since other jobs may share the cores.
         assert seconds_to_serving < 300
+        # 48 tokens each (the prompt and they fit the 64-token slabs): a drain long enough (about 47 steps) for the
+        # health checks below to see it; with 12 the streams could finish and the server exit before the first check
+        # reached it (a CI run on 2026-12-07: connection refused)
         calls = [stub.Generate(pb.GenerateRequest(prompt=f"Story number {i}:",
-                                                  stopping=pb.StoppingOptions(max_tokens=12, ignore_eos=True)),
+                                                  stopping=pb.StoppingOptions(max_tokens=48, ignore_eos=True)),
                                timeout=120) for i in range(6)]
         firsts = [next(call) for call in calls]  # every stream is running
         proc.send_signal(signal.SIGTERM)
@@ -436,7 +439,7 @@ def test_sigterm_drains_running_streams_then_exits_0(tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         for first, call in zip(firsts, calls):
             tokens, _, finished = _collect(call)
-            assert finished.reason == pb.FINISH_REASON_LENGTH and len(first.token.token_ids) + len(tokens) == 12
+            assert finished.reason == pb.FINISH_REASON_LENGTH and len(first.token.token_ids) + len(tokens) == 48
         assert proc.wait(timeout=30) == 0
         assert '"clean": true' in log.read_text()
         channel.close()
