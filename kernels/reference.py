@@ -37,6 +37,7 @@ from slabserve.kernels.contracts import (
                                          check_silu_mul,
                                          check_slab_decode_attention,
                                          check_slab_prefill_attention,
+                                         k_rows,
                                          k_tiled,
                                          )
 
@@ -309,10 +310,8 @@ def _k_slab(k_cache: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Rows start .. stop-1 of one layer's K cache (C, Hkv, D): a view of a row cache, a copy out of a tiled one."""
     if not k_tiled(k_cache):
         return k_cache[start:stop]
-    first, last = start // KV_TILE, -(-stop // KV_TILE)
-    tiles = k_cache[first:last]
-    rows = tiles.permute(0, 3, 1, 2).reshape((last - first) * KV_TILE, k_cache.shape[1], k_cache.shape[2])
-    return rows[start - first * KV_TILE : stop - first * KV_TILE]
+    first = start // KV_TILE
+    return k_rows(k_cache[first : -(-stop // KV_TILE)])[start - first * KV_TILE : stop - first * KV_TILE]
 
 
 def _attend_slab(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, scale: float,

@@ -538,10 +538,7 @@ class Engine:
         # high-water mark of what libraries keep; then every bucket from position 0. The native CPU attention keeps
         # nothing (its stack only), so there a decode row at the end of the longest slab is enough: it binds the
         # largest bucket without a full prefill over the longest context (about 1.5 s of start-up)
-        c = self.model_config
-        native = self.device.type == "cpu" and cpu_native.attention_runs_natively(
-            self.dtype, self.kv_dtype, c.num_heads, c.num_kv_heads, c.head_dim)
-        if native:
+        if self.k_tiled:  # the CPU step's attention runs native (runtime.trace.k_cache_tiled)
             fill("mixed", max_chunk=1)
         else:
             fill("longest")
