@@ -20,7 +20,11 @@ first-token deadline (its gRPC deadline, or the request's own `first_token_deadl
   the newcomer (its prefill ran slower than projected: attention over a long prompt grows with its length) is not
   protected that way: refusing every shorter request for the rest of its prefill would save it only their few
   steps (measured on the IDE mix at 0.4 req/s: 15 of 92 completions refused, all for analyses already late),
-  while the oldest sequence's share of each step keeps it moving whatever arrives.
+  while the oldest sequence's share of each step keeps it moving whatever arrives. Nor is one the newcomer would
+  make late by no more than the projection's own error (`ProjectionError`: how far first tokens have come from
+  their projections, relative, times what is left of this one's): inside that error the projection cannot tell
+  whether refusing saves the promise, and the refusal is certain. Until enough first tokens are measured the
+  projection is taken as exact.
 - A caller's deadline is checked once, at admission, and is not a promise the server keeps against later
   arrivals (their callers' deadlines would then refuse everyone who came after): the caller's own deadline
   cancels the call if the projection turns out wrong. A request with no deadline and no cap waits its turn,
@@ -53,12 +57,17 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 STEP_TIME_WEIGHT = 0.3  # weight of the newest step in the per-bucket average of step times
 LOAD_WINDOW_S = 60.0    # admitted prefill work over this many seconds measures the load to come
 MAX_LOAD = 0.75         # at most this share of the time to come is projected to go to newcomers (a 4x stretch)
+ERROR_FIRST_TOKENS = 64  # the projection's error is measured over this many recent first tokens ...
+ERROR_MIN_FIRST_TOKENS = 8  # ... once at least this many came (before: 0, every projection taken as exact)
+ERROR_MIN_PROJECTED_S = 0.5  # ... that were projected at least this far ahead (a step's jitter is not the error)
+MAX_ERROR = 0.5         # at most this relative error is assumed of a projection
 
 
 def prefill_pairs(done: int, rows: int) -> int:
@@ -92,6 +101,27 @@ class DelayBoundError(OverloadedError):
 
     def __reduce__(self):
         return (DelayBoundError, (self.class_index, self.late_ms, self.bound_ms, self.whose, self.retry_after_ms))
+
+
+class ProjectionError:
+    """How far admission's projections of first tokens are off: over the last ERROR_FIRST_TOKENS first tokens that
+    were projected at least ERROR_MIN_PROJECTED_S ahead, the root mean square of (actual / projected - 1) with each
+    weighted by its projected time, so the long projections that protection judges count most. 0 until
+    ERROR_MIN_FIRST_TOKENS are in; at most MAX_ERROR."""
+
+    def __init__(self) -> None:
+        self._seen: deque[tuple[float, float]] = deque(maxlen=ERROR_FIRST_TOKENS)  # (projected s, actual s)
+        self.relative = 0.0
+
+    def observe(self, projected_s: float, actual_s: float) -> None:
+        """A first token projected `projected_s` after its admission came `actual_s` after it."""
+        if not (projected_s >= ERROR_MIN_PROJECTED_S and math.isfinite(projected_s) and actual_s >= 0):
+            return
+        self._seen.append((projected_s, actual_s))
+        if len(self._seen) >= ERROR_MIN_FIRST_TOKENS:
+            weight = sum(p for p, _ in self._seen)
+            square = sum(p * (a / p - 1.0) ** 2 for p, a in self._seen) / weight
+            self.relative = min(MAX_ERROR, math.sqrt(square))
 
 
 class StepTimes:
@@ -179,7 +209,8 @@ class AdmissionView:
     def __init__(self, bound_s: float | None, pending: Iterable[Pending], oldest_seq_no: int | None, decoding: int,
                  step_tokens: int, buckets: Sequence[int], step_seconds: Mapping[int, float],
                  oldest_share: float, slab_wait_s: Sequence[float], next_seq_no: int, pair_seconds: float = 0.0,
-                 arrivals: Iterable[Arrival] = (), step_due: Callable[[], float] | None = None):
+                 arrivals: Iterable[Arrival] = (), step_due: Callable[[], float] | None = None,
+                 projection_error: float = 0.0):
         self.bound_s = bound_s
         self._pending = sorted(pending, key=_order)
         self._oldest = oldest_seq_no
@@ -194,6 +225,12 @@ class AdmissionView:
         self._arrivals = list(arrivals)
         self._step_due = step_due  # clock() when the step in flight should end (0: none), read at each decision
         self._load: tuple[float, list[int], list[float], list[float]] | None = None  # _load_at's, and its now
+        self._error = min(MAX_ERROR, max(0.0, projection_error))  # ProjectionError.relative
+
+    @property
+    def projection_error(self) -> float:
+        """The relative error allowed for the projections of admitted requests' first tokens (see the module)."""
+        return self._error
 
     @property
     def measured(self) -> bool:
@@ -302,14 +339,20 @@ class AdmissionView:
         # work would count twice, and the shorter requests that load stands for would be refused to protect a
         # long prompt's margin (at 0.4 req/s of the IDE mix: four completions in a row, for an analysis whose
         # first token came late all the same).
+        # Nor is one the newcomer would make late by no more than its projection's own error (the measured relative
+        # error of the projections, times what is left of this one): within that the projection cannot tell whether
+        # the refusal saves its promise, while the refusal itself is certain (at 0.4 req/s of the IDE mix, three and
+        # four short prompts in a step refused for 0.06-1.6 s of a 4,339-token analysis's promise, on a projection
+        # that was 1-2 s optimistic for it: it came 0.7-1.1 s late all the same).
         admitted = None  # prefix sums of the admitted entries alone, made once if some entry needs them
         for j in range(i + 1, len(entries)):
             e = entries[j]
             miss = now + busy + self._projected(j, prefix, entries, oldest, now, load=False) - e.deadline
             if miss > late and miss > 0:
                 admitted = admitted or _prefix_sums(self._pending)
-                # entries[j] is self._pending[j - 1]: on time without the newcomer?
-                if now + busy + self._projected(j - 1, admitted, self._pending, oldest, now, load=False) <= e.deadline:
+                # entries[j] is self._pending[j - 1]: on time without the newcomer, and late by more than the error?
+                alone = busy + self._projected(j - 1, admitted, self._pending, oldest, now, load=False)
+                if now + alone <= e.deadline and miss > self._error * alone:
                     late, whose = miss, "an admitted request's"
         if late > 0:
             # The work ahead shrinks as fast as the clock runs, so after `late` seconds the same request would just

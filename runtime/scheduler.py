@@ -50,8 +50,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from slabserve.runtime.admission import (LOAD_WINDOW_S, AdmissionView, Arrival, OverloadedError, Pending, StepTimes,
-                                         prefill_pairs)
+from slabserve.runtime.admission import (LOAD_WINDOW_S, AdmissionView, Arrival, OverloadedError, Pending,
+                                         ProjectionError, StepTimes, prefill_pairs)
 from slabserve.runtime.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixIndex
 from slabserve.runtime.slab_allocator import DECLARED, Slab, SlabAllocator, SlabClass
 
@@ -235,6 +235,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0       # prompt tokens served from retained KV, over every placed request
         self.prefix_miss_tokens = 0      # prompt tokens placed requests had to prefill
         self._arrivals: deque[Arrival] = deque()  # admitted prefill work of the last LOAD_WINDOW_S: the load to come
+        self.projection_error = ProjectionError()  # first tokens against their projections, measured as they come
 
     @property
     def max_request_tokens(self) -> int:
@@ -406,7 +407,7 @@ class Scheduler:
                              self.buckets, self.step_times.snapshot(), self.oldest_prefill_share,
                              [self._slab_wait_s(h) for h in range(len(self._queues))],
                              self._next_seq_no + len(unsubmitted), self.step_times.pair_seconds, self._arrivals,
-                             self._step_due)
+                             self._step_due, self.projection_error.relative)
 
     def _step_due(self) -> float:
         return self.step_due  # read on a front door's thread: one attribute, replaced whole by the engine thread
@@ -492,6 +493,9 @@ class Scheduler:
             reason = FinishReason.LENGTH
         else:
             reason = None
+        if seq.num_output == 1 and seq.projected < math.inf:
+            arrival = request.arrival_time
+            self.projection_error.observe(seq.projected - arrival, self._clock() - arrival)
         if reason is not None:
             self._end(seq)
         elif seq.num_output == 1:  # the first token ends the prefill

@@ -10,8 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from slabserve.runtime.admission import (LOAD_WINDOW_S, MAX_LOAD, AdmissionView, Arrival, DelayBoundError,
-                                         OverloadedError, Pending, StepTimes, prefill_pairs)
+from slabserve.runtime.admission import (ERROR_MIN_FIRST_TOKENS, LOAD_WINDOW_S, MAX_ERROR, MAX_LOAD, AdmissionView,
+                                         Arrival, DelayBoundError, OverloadedError, Pending, ProjectionError,
+                                         StepTimes, prefill_pairs)
 from slabserve.runtime.scheduler import QueueFullError, Request, Scheduler
 from slabserve.runtime.slab_allocator import SlabClass
 
@@ -19,10 +20,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def _view(pending=(), *, bound=1.0, seconds=None, decoding=0, oldest=None, slab_wait=(0.0, 0.0), share=0.25,
-          pair_seconds=0.0, arrivals=()):
+          pair_seconds=0.0, arrivals=(), error=0.0):
     seconds = {b: 0.125 for b in BUCKETS} if seconds is None else seconds  # 1/8 s a step, whatever its size
     return AdmissionView(bound, pending, oldest, decoding, 32, BUCKETS, seconds, share, slab_wait,
-                         next_seq_no=100, pair_seconds=pair_seconds, arrivals=arrivals)
+                         next_seq_no=100, pair_seconds=pair_seconds, arrivals=arrivals, projection_error=error)
 
 
 def _busy(tokens: int, seconds_of_work: float, now: float = 0.0) -> list[Arrival]:
@@ -202,6 +203,39 @@ def test_refuses_a_short_request_that_would_make_an_admitted_one_late():
     _view([admitted]).admit(640, 0, now=0.0)      # a longer prompt goes after it: no harm done
 
 
+def test_protection_allows_for_the_projections_own_error():
+    """The admitted 224-token prompt is projected at 0.875 s against a promise of 1 s. A 64-token newcomer pushes it
+    0.125 s past: refused while the projection is taken as exact or 10% off (0.0875 s of error), admitted when it
+    is 20% off (0.175 s); a 96-token one (0.25 s past) is refused at 20% too."""
+    admitted = Pending(224, seq_no=1, deadline=1.0)
+    for error in (0.0, 0.1):
+        with pytest.raises(DelayBoundError, match="an admitted request's first token"):
+            _view([admitted], error=error).admit(64, 0, now=0.0)
+    _view([admitted], error=0.2).admit(64, 0, now=0.0)
+    with pytest.raises(DelayBoundError, match="an admitted request's first token"):
+        _view([admitted], error=0.2).admit(96, 0, now=0.0)
+    # the newcomer's own deadline allows nothing for the error: 9 steps of 32 ahead of a 32-token prompt
+    with pytest.raises(DelayBoundError, match="its own first token"):
+        _view([Pending(32, seq_no=i, deadline=1e9) for i in range(9)], error=MAX_ERROR).admit(32, 0, now=0.0)
+
+
+def test_projection_error_is_the_weighted_rms_of_long_projections():
+    e = ProjectionError()
+    for _ in range(ERROR_MIN_FIRST_TOKENS - 1):
+        e.observe(10.0, 12.0)
+    assert e.relative == 0.0  # too few to tell: projections are taken as exact
+    e.observe(0.2, 2.0)       # projected a step ahead: its jitter is not the projection's error
+    assert e.relative == 0.0
+    e.observe(10.0, 8.0)
+    assert e.relative == pytest.approx(0.2)
+    for _ in range(ERROR_MIN_FIRST_TOKENS):
+        e.observe(1.0, 1.5)   # short ones count by their length: 8 s of 50% against 80 s of 20%
+    assert e.relative == pytest.approx(((8 * 0.25 + 80 * 0.04) / 88) ** 0.5)
+    for _ in range(100):
+        e.observe(2.0, 10.0)
+    assert e.relative == MAX_ERROR
+
+
 def test_an_admitted_request_already_late_does_not_refuse_newcomers():
     # due in 1 s but 16 steps (2 s) of its own left: past its promise whatever comes, so a short request goes first
     late = Pending(512, seq_no=1, deadline=1.0)
@@ -365,6 +399,28 @@ def test_scheduler_says_when_the_step_in_flight_should_end():
     assert s.step_due == 0.0
     s.discard_step(s.schedule())
     assert s.step_due == 0.0
+
+
+def test_scheduler_measures_the_projections_error_at_first_tokens():
+    """Each first token is set against its admission's projection (from its arrival); the views carry the error."""
+    clock = _Clock()
+    s = _sched(clock)
+    s.step_times.seed({32: 0.125})
+    seen = []
+    for i in range(ERROR_MIN_FIRST_TOKENS):
+        arrival = clock.now
+        s.submit(_req(f"r{i}", 128, arrival_time=arrival))  # 4 steps of prefill
+        projected = s.first_token_promise(f"r{i}")[1] - arrival
+        while s.has_work():
+            step = s.schedule()
+            clock.now += 0.15
+            if s.complete_step(step, {c.request_id: 7 for c in step.chunks if c.sample}) and len(seen) == i:
+                seen.append((projected, clock.now - arrival))  # its first token
+    assert len(seen) == ERROR_MIN_FIRST_TOKENS and all(a == pytest.approx(0.6) for _, a in seen)
+    weight = sum(p for p, _ in seen)
+    expected = (sum(p * (a / p - 1) ** 2 for p, a in seen) / weight) ** 0.5
+    assert expected > 0.05 and s.projection_error.relative == pytest.approx(expected)
+    assert s.admission_view().projection_error == pytest.approx(expected)
 
 
 def test_scheduler_takes_a_deadline_from_the_caller_without_checking():
