@@ -216,6 +216,7 @@ class EngineLoop:
                                       load.running)
             scheduler = self.engine.scheduler
             self.metrics.observe_prefix(scheduler.prefix_hit_tokens, scheduler.prefix_miss_tokens)
+            self.metrics.observe_projection_error(scheduler.projection_error.relative)
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc

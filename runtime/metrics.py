@@ -14,6 +14,7 @@ and returns a function that stops it. Names and labels:
     slabserve_first_token_projection_ratio         histogram, time to first token over admission's projection of it
     slabserve_first_token_promises_total           first tokens of requests admission promised one by a deadline
     slabserve_first_token_promises_missed_total    those that came after it
+    slabserve_admission_projection_error           the relative error admission allows its projections (0: exact)
     slabserve_generated_tokens_total               tokens sampled for requests
     slabserve_requests_total{code, finish_reason}  answered Generate calls by status code and finish reason
     slabserve_prefix_hit_tokens_total              prompt tokens whose KV was already held (retained prefixes)
@@ -59,6 +60,9 @@ class Metrics:
                                 "First tokens of requests that admission by latency promised a deadline", registry=r)
         self.promises_missed = Counter("slabserve_first_token_promises_missed",
                                        "First tokens that came after the deadline admission promised", registry=r)
+        self.projection_error = Gauge("slabserve_admission_projection_error",
+                                      "Relative error of first-token projections that admission allows when it "
+                                      "protects admitted promises (runtime.admission.ProjectionError)", registry=r)
         self.tokens = Counter("slabserve_generated_tokens", "Tokens sampled for requests", registry=r)
         self.requests = Counter("slabserve_requests", "Answered Generate calls", ["code", "finish_reason"],
                                 registry=r)
@@ -80,6 +84,9 @@ class Metrics:
             used_rows += (total - free) * rows
         self.running.set(running)
         self.kv_utilization.set(used_rows / self._total_rows if self._total_rows else 0.0)
+
+    def observe_projection_error(self, relative: float) -> None:
+        self.projection_error.set(relative)
 
     def observe_prefix(self, hit_tokens: int, miss_tokens: int) -> None:
         """The scheduler's running totals (runtime.scheduler: prefix_hit_tokens, prefix_miss_tokens)."""

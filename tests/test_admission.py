@@ -214,9 +214,21 @@ def test_protection_allows_for_the_projections_own_error():
     _view([admitted], error=0.2).admit(64, 0, now=0.0)
     with pytest.raises(DelayBoundError, match="an admitted request's first token"):
         _view([admitted], error=0.2).admit(96, 0, now=0.0)
-    # the newcomer's own deadline allows nothing for the error: 9 steps of 32 ahead of a 32-token prompt
-    with pytest.raises(DelayBoundError, match="its own first token"):
-        _view([Pending(32, seq_no=i, deadline=1e9) for i in range(9)], error=MAX_ERROR).admit(32, 0, now=0.0)
+
+
+def test_a_newcomers_own_promise_allows_for_the_error_but_a_callers_deadline_does_not():
+    """Nine 32-token prompts ahead of a 32-token one: its first token is projected at 1.25 s against the cap's
+    promise of 1.125 s, 0.125 s late: refused as exact or 5% off (0.0625 s), admitted at 10% (0.125 s), with the
+    promise it was given; a caller's deadline of 1.125 s refuses it whatever the error."""
+    ahead = [Pending(32, seq_no=i, deadline=1e9) for i in range(9)]
+    for error in (0.0, 0.05):
+        with pytest.raises(DelayBoundError, match="its own first token") as err:
+            _view(ahead, error=error).admit(32, 0, now=0.0)
+        assert err.value.late_ms == 125
+    admitted = _view(ahead, error=0.1).decide(32, 0, now=0.0)
+    assert admitted.promise == pytest.approx(1.125) and admitted.projected == pytest.approx(1.25)
+    with pytest.raises(DelayBoundError, match="the caller's deadline"):
+        _view(ahead, error=MAX_ERROR).admit(32, 0, now=0.0, caller_deadline=1.125)
 
 
 def test_projection_error_is_the_weighted_rms_of_long_projections():
@@ -528,6 +540,9 @@ def test_metrics_count_promises_missed_and_the_projections_error():
     assert value("slabserve_first_token_projection_ratio_bucket", {"le": "0.5"}) == 1
     assert value("slabserve_first_token_projection_ratio_bucket", {"le": "1.5"}) == 1
     assert value("slabserve_first_token_projection_ratio_bucket", {"le": "2.0"}) == 2
+    assert value("slabserve_admission_projection_error") == 0.0
+    m.observe_projection_error(0.125)
+    assert value("slabserve_admission_projection_error") == 0.125
 
 
 def test_admission_report_reads_a_server_log(tmp_path: Path, capsys):
