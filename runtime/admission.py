@@ -68,7 +68,8 @@ MAX_LOAD = 0.75         # at most this share of the time to come is projected to
 ERROR_FIRST_TOKENS = 64  # the projection's error is measured over this many recent first tokens ...
 ERROR_MIN_FIRST_TOKENS = 8  # ... once at least this many came (before: 0, every projection taken as exact)
 ERROR_MIN_PROJECTED_S = 0.5  # ... that were projected at least this far ahead (a step's jitter is not the error)
-MAX_ERROR = 0.5         # at most this relative error is assumed of a projection
+MAX_ERROR = 0.25        # at most this relative error is allowed a projection: the leniency the error buys makes
+                        # long prompts later, which the next measurements see as more error (sweep-1208c: 0.37-0.5)
 
 
 def prefill_pairs(done: int, rows: int) -> int:
