@@ -148,10 +148,12 @@ class _Live:
 
 
 WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (each run is a whole step)
-# The warm-up's probe of attention's cost per (query row, key) pair: a chunk of the smallest bucket of at least
-# PAIR_PROBE_ROWS rows ending at row PAIR_PROBE_DEPTH of the longest slab. On two cores a SmolLM2 row attending over
-# about 2,000 keys costs as much again as the rest of its step, so the difference is well above the timing noise.
-PAIR_PROBE_ROWS = 64
+# The warm-up's probe of attention's cost per (query row, key) pair: a chunk of the largest bucket (the chunks long
+# prompts prefill in) ending at row PAIR_PROBE_DEPTH of the longest slab, or twice the bucket deep when that is
+# more. On two cores a SmolLM2 row attending over about 2,000 keys costs as much again as the rest of its step, so
+# the difference is well above the timing noise. A 64-row probe measured 0.20-0.32 us a pair where 128- and 256-row
+# chunks cost 0.41-0.44 (AMD EPYC, 2026-12-08), and admission then projected a lone 3,251-token prompt's first token
+# at 3.7 s that came at 6.7 s.
 PAIR_PROBE_DEPTH = 2048
 
 
@@ -549,7 +551,7 @@ class Engine:
         typical, typical_pairs = dict(seconds), dict(pairs)  # chunks from position 0: admission starts from these
         # what attention over a long context adds: one chunk ending deep in the longest slab against the same bucket
         # from position 0 (its attention then costs about as much as the rest of the step; a few tenths of a second)
-        deep = min((b for b in self.inputs if b >= PAIR_PROBE_ROWS), default=max(self.inputs))
+        deep = max(self.inputs)
         fill("deep", buckets=[deep])
         seconds.pop(deep)
         every_bucket([deep])
@@ -651,14 +653,15 @@ class Engine:
           "mixed"    a decode row at the last position of the longest slab, then prefill chunks that start in the
                      middle of their slabs, then decode rows mid-slab: the shapes of a busy step. With `max_chunk`:
                      the first three of them, the prefill chunk at most max_chunk tokens;
-          "deep"     one chunk of the whole bucket in the longest slab, ending at row PAIR_PROBE_DEPTH (or the slab's
-                     last): the step whose extra time over "start" is what attention over a long context costs."""
+          "deep"     one chunk of the whole bucket in the longest slab, ending at row PAIR_PROBE_DEPTH or twice the
+                     bucket (or the slab's last): the step whose extra time over "start" is what attention over a long
+                     context costs."""
         slabs = self._slabs()
         longest = max(range(len(slabs)), key=lambda i: slabs[i][1])
         if kind == "deep":
             first_row, rows = slabs[longest]
             n = min(bucket, rows)
-            return [SeqChunk(first_row, min(rows, max(n, PAIR_PROBE_DEPTH)) - n, [0] * n, rows)]
+            return [SeqChunk(first_row, min(rows, max(2 * n, PAIR_PROBE_DEPTH)) - n, [0] * n, rows)]
         if kind == "mixed":
             first_row, rows = slabs[longest]
             chunks, left = [SeqChunk(first_row, rows - 1, [0], rows)], bucket - 1
