@@ -151,8 +151,8 @@ WARM_UP_CHECKED_STEPS = 1  # every bucket once more under the allocation check (
 # The warm-up's probe of attention's cost per (query row, key) pair: a chunk of the largest bucket (the chunks long
 # prompts prefill in) ending at row PAIR_PROBE_DEPTH of the longest slab, or twice the bucket deep when that is
 # more. On two cores a SmolLM2 row attending over about 2,000 keys costs as much again as the rest of its step, so
-# the difference is well above the timing noise. A 64-row probe measured 0.20-0.32 us a pair where 128- and 256-row
-# chunks cost 0.41-0.44 (AMD EPYC, 2026-12-08), and admission then projected a lone 3,251-token prompt's first token
+# the difference is well above the timing noise. A 64-row probe measured 0.20-0.31 us a pair where 128- and 256-row
+# chunks cost 0.35-0.51 (AMD EPYC, 2026-12-08), and admission then projected a lone 3,251-token prompt's first token
 # at 3.7 s that came at 6.7 s.
 PAIR_PROBE_DEPTH = 2048
 
