@@ -493,12 +493,13 @@ class Scheduler:
             reason = FinishReason.LENGTH
         else:
             reason = None
-        if seq.num_output == 1 and seq.projected < math.inf:
+        first = seq.num_output == 1
+        if first and seq.projected < math.inf:  # admission's projection of this first token, against it
             arrival = request.arrival_time
             self.projection_error.observe(seq.projected - arrival, self._clock() - arrival)
         if reason is not None:
             self._end(seq)
-        elif seq.num_output == 1:  # the first token ends the prefill
+        elif first:  # the first token ends the prefill
             del self._prefilling[request.request_id]
             self._decoding[request.request_id] = seq
         return TokenEvent(request.request_id, token, reason)
